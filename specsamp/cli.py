@@ -1,0 +1,63 @@
+"""The `specsamp` command line: one subcommand per module in `specsamp.commands`.
+
+Each command module defines `register(subparsers)` (adds its parser, whose defaults set
+`func`) and keeps its imports of heavy libraries (JAX, Beam) inside the handler, so that
+`specsamp --help` is instant. A `UserError` becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from specsamp.errors import UserError
+
+COMMANDS = (
+    "generate",
+    "bench",
+    "audit",
+    "download",
+    "prepare",
+    "run",
+    "report",
+    "eval",
+    "distill",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specsamp",
+        description="Exact speculative sampling for batch generation (JAX + Apache Beam).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"specsamp.commands.{name}")
+        except ModuleNotFoundError as e:  # a command still being built
+            if e.name != f"specsamp.commands.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"specsamp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specsamp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Frozen, validated settings shared by the engine, the command line and the pipeline.
+
+Settings that change the compiled program (K, sampling filters, lengths) are hashable
+dataclasses, so they can be static arguments of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specsamp.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution (see `specsamp.sampling.probs_from_logits`).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; 0 disables the filter.
+    top_p: nucleus; keep the smallest set of most likely tokens whose mass reaches top_p;
+      1.0 disables the filter.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise UserError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise UserError(f"top-k must be an integer >= 0 (0 disables it), got {k!r}")
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
+            raise UserError(f"top-p must be in (0, 1], got {p!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_k(k: int) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise UserError(f"K (draft tokens per loop) must be an integer >= 1, got {k!r}")
+    if k > 32:
+        raise UserError(f"K must be at most 32, got {k}")
+    return k
+
+
+def check_max_new_tokens(n: int) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UserError(f"max-new-tokens must be an integer >= 1, got {n!r}")
+    return n

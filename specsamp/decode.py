@@ -1,0 +1,131 @@
+"""The compiled programs: prefill, and a decode loop (`jax.lax.while_loop`) whose body is one
+round of either plain autoregressive sampling (the baseline) or speculative sampling.
+
+`Program` is static (hashable): model configs, K, the sampling transform, the drafter.
+Parameters and state are traced arguments, so one compiled program serves any weights of
+the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specsamp.acceptance import accept_batch
+from specsamp.config import SamplingParams
+from specsamp.models import ModelConfig, Transformer, init_cache
+from specsamp.sampling import probs_from_logits, sample
+from specsamp.state import RUNNING, DecodeState, commit, gather_window, round_keys
+
+Drafter = Any  # specsamp.drafters.ModelDrafter | NgramDrafter (hashable dataclasses)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    target: ModelConfig
+    sampling: SamplingParams
+    drafter: Drafter | None = None  # None: autoregressive baseline
+
+    @property
+    def k(self) -> int:
+        return self.drafter.k if self.drafter is not None else 0
+
+
+def new_state(
+    prog: Program, prompts: jax.Array, prompt_len: jax.Array, max_new: int, seeds: jax.Array,
+    slots: int, draft_cfg: ModelConfig | None,
+) -> DecodeState:
+    """prompts [B, P] (right-padded), prompt_len [B] >= 1, seeds [B] uint32."""
+    b, p = prompts.shape
+    tokens = jnp.zeros((b, slots), jnp.int32).at[:, :p].set(prompts)
+    draft_cache = init_cache(draft_cfg, b, slots) if draft_cfg is not None else None
+    return DecodeState(
+        tokens=tokens,
+        length=prompt_len.astype(jnp.int32),
+        prompt_len=prompt_len.astype(jnp.int32),
+        max_len=prompt_len.astype(jnp.int32) + max_new,
+        keys=jax.vmap(jax.random.PRNGKey)(seeds),
+        stop_reason=jnp.full((b,), RUNNING, jnp.int32),
+        loops=jnp.zeros((b,), jnp.int32),
+        accepted=jnp.zeros((b, max_new), jnp.int32),
+        target_cache=init_cache(prog.target, b, slots),
+        draft_cache=draft_cache,
+    )
+
+
+def _prefill_one(cfg: ModelConfig, params, tokens, cache):
+    """Feed tokens [B, P] at positions 0..P-1 (all but each row's current token; entries
+    past that are padding, written to slots that later writes overwrite)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    _, cache = Transformer(cfg).apply({"params": params}, tokens, positions, cache, head=False)
+    return cache
+
+
+@jax.jit(static_argnames=("prog", "width"))
+def prefill(prog: Program, target_params, draft_params, state: DecodeState, width: int):
+    tokens = state.tokens[:, :width]
+    state = state.replace(target_cache=_prefill_one(prog.target, target_params, tokens, state.target_cache))
+    if state.draft_cache is not None:
+        cfg = prog.drafter.cfg
+        state = state.replace(draft_cache=_prefill_one(cfg, draft_params, tokens, state.draft_cache))
+    return state
+
+
+def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
+    t = state.current
+    current = gather_window(state.tokens, t, 1)
+    logits, cache = Transformer(prog.target).apply(
+        {"params": target_params}, current, t[:, None], state.target_cache
+    )
+    q = probs_from_logits(logits[:, 0], prog.sampling)
+    x = jax.vmap(sample)(round_keys(state), q)
+    ones = jnp.ones_like(t)
+    state = state.replace(target_cache=cache)
+    return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids)
+
+
+def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids):
+    k = prog.k
+    keys = round_keys(state)
+    draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
+    accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
+    draft, p, draft_cache = prog.drafter.propose(draft_params, state, draft_keys)
+
+    t = state.current
+    block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]
+    positions = t[:, None] + jnp.arange(k + 1)[None, :]
+    logits, cache = Transformer(prog.target).apply(
+        {"params": target_params}, block, positions, state.target_cache
+    )
+    q = probs_from_logits(logits, prog.sampling)
+    n, x = accept_batch(accept_keys, draft, p, q)
+
+    draft_pad = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
+    new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])
+    state = state.replace(target_cache=cache, draft_cache=draft_cache)
+    return commit(state, new, n + 1, n, eos_ids, stop_ids)
+
+
+@jax.jit(static_argnames=("prog",), donate_argnames=("state",))
+def decode(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids,
+           max_rounds):
+    """Run rounds until every row is done or `max_rounds` rounds have run (the host may
+    resume a state to check stop strings or show progress between calls)."""
+
+    def cond(carry):
+        state, i = carry
+        return jnp.any(state.stop_reason == RUNNING) & (i < max_rounds)
+
+    def body(carry):
+        state, i = carry
+        if prog.drafter is None:
+            state = _ar_round(prog, target_params, state, eos_ids, stop_ids)
+        else:
+            state = _spec_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
+        return state, i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state

@@ -1,0 +1,105 @@
+"""Drafters: each proposes K tokens per row with the full distributions they came from.
+
+- `ModelDrafter`: a separate draft model (the paper's setting) or the target's first L
+  layers (early exit); tokens drawn from probs_from_logits of the draft's logits, the same
+  transform as the target's.
+- `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
+  proposes what followed. Deterministic, so p is a point mass (one-hot).
+
+`propose(params, state, keys) -> (draft [B, K] int32, p [B, K, V] float32, draft_cache)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specsamp.config import SamplingParams
+from specsamp.models import ModelConfig, Transformer
+from specsamp.sampling import probs_from_logits, sample
+from specsamp.state import DecodeState, gather_window
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    cfg: ModelConfig
+    k: int
+    sampling: SamplingParams
+    kind: str = "model"  # 'model' or 'early-exit' (only for names and statistics)
+
+    @property
+    def uses_cache(self) -> bool:
+        return True
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        model = Transformer(self.cfg)
+        t = state.current
+        # First call feeds the pair (t-1, t): slot t-1 holds the previous round's last draft
+        # token, which is missing from the cache when that round accepted all K.
+        start = jnp.maximum(t - 1, 0)
+        pair = gather_window(state.tokens, start, 2)
+        positions = start[:, None] + jnp.arange(2)[None, :]
+        logits, cache = model.apply({"params": params}, pair, positions, state.draft_cache)
+        logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
+
+        def draw(logits, i):
+            probs = probs_from_logits(logits, self.sampling)
+            step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+            return jax.vmap(sample)(step_keys, probs), probs
+
+        def step(carry, i):
+            cache, logits = carry
+            tok, probs = draw(logits, i)
+            logits, cache = model.apply(
+                {"params": params}, tok[:, None], (t + 1 + i)[:, None], cache
+            )
+            return (cache, logits[:, 0]), (tok, probs)
+
+        (cache, logits), (toks, probs) = jax.lax.scan(step, (cache, logits), jnp.arange(self.k - 1))
+        last_tok, last_probs = draw(logits, self.k - 1)
+        draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
+        p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
+        return draft, p, cache
+
+    @property
+    def calls_per_round(self) -> int:
+        return self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    k: int
+    vocab_size: int
+    max_ngram: int = 3
+
+    @property
+    def uses_cache(self) -> bool:
+        return False
+
+    @property
+    def calls_per_round(self) -> int:
+        return 0
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        del params, keys
+        draft = jax.vmap(self._lookup)(state.tokens, state.current)
+        return draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32), None
+
+    def _lookup(self, row: jax.Array, t: jax.Array) -> jax.Array:
+        """row [S], current index t -> K proposed tokens (the longest n-gram match wins,
+        then the latest occurrence; with no match, repeat the current token)."""
+        slots = row.shape[0]
+        idx = jnp.arange(slots)
+        best_end = jnp.full((), -1)
+        for n in range(1, self.max_ngram + 1):  # later (longer) matches override shorter
+            match = (idx >= n - 1) & (idx < t) & (t >= n - 1)
+            for j in range(n):
+                match &= jnp.roll(row, j)[idx] == row[jnp.maximum(t - j, 0)]
+            latest = jnp.max(jnp.where(match, idx, -1))
+            best_end = jnp.where(latest >= 0, latest, best_end)
+        follow = best_end + 1 + jnp.arange(self.k)
+        follow = jnp.minimum(follow, t)  # never read past the known tokens
+        proposal = row[follow]
+        return jnp.where(best_end >= 0, proposal, jnp.full((self.k,), row[t]))

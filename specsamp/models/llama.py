@@ -1,0 +1,202 @@
+"""A Llama-family decoder in Flax: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU MLP, tied or untied head, optional q/k/v bias (Qwen2).
+
+Axes: B batch, T tokens in this call, S cache slots, L layers, D model width, H query heads,
+G query heads per KV head, J KV heads, E head dim, F MLP width, V vocab.
+
+The model is a pure function `(tokens, positions, cache) -> (logits, new_cache)`. Positions
+are explicit and per row; each call writes its T keys/values at the row's positions, which
+must be contiguous (they are: prefill, draft steps and the K+1 scoring block). A query at
+position p attends to cache slots 0..p only, so slots beyond a row's length hold stale
+entries (rejected draft tokens, padding) that are never read and are overwritten by the
+next write at those positions: rejection needs no cache copy.
+
+Layers are one `nn.scan` over stacked weights (leading axis L): one layer compiles once, and
+early-exit drafting is the same module with `n_layers=L'` and the first L' weight slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_seq_len: int = 8192
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError("n_heads must be a multiple of n_kv_heads")
+
+    def truncated(self, n_layers: int) -> "ModelConfig":
+        return dataclasses.replace(self, n_layers=n_layers)
+
+    @property
+    def n_params(self) -> int:
+        d, f, e = self.d_model, self.d_ff, self.head_dim
+        attn = d * e * (self.n_heads * 2 + self.n_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * per_layer + d + head
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, J, E]
+    v: jax.Array  # [L, B, S, J, E]
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+    """cos/sin [B, T, E/2] for the rotate-half layout (Hugging Face's convention)."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, E]: rotate the pairs (i, i + E/2) by the position's angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, J, E] into cache_layer [B, S, J, E] at each row's start slot."""
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0)))(
+        cache_layer, new, start
+    )
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, positions, k_cache, v_cache):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = nn.Dense(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
+        k = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
+        v = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        start = positions[:, 0]
+        k_cache = _write(k_cache, k.astype(k_cache.dtype), start)
+        v_cache = _write(v_cache, v.astype(v_cache.dtype), start)
+
+        q = q.reshape(b, t, j, h // j, e) * (e**-0.5)
+        scores = jnp.einsum("btjge,bsje->bjgts", q, k_cache).astype(jnp.float32)
+        slots = jnp.arange(k_cache.shape[1])
+        visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bjgts,bsje->btjge", weights, v_cache).reshape(b, t, h * e)
+        return nn.Dense(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        gate = nn.Dense(self.cfg.d_ff, use_bias=False, name="gate")(x)
+        up = nn.Dense(self.cfg.d_ff, use_bias=False, name="up")(x)
+        return nn.Dense(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, layer_cache, cos, sin, positions):
+        k_cache, v_cache = layer_cache
+        attn_out, k_cache, v_cache = Attention(self.cfg, name="attn")(
+            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x), cos, sin, positions, k_cache, v_cache
+        )
+        x = x + attn_out
+        x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x))
+        return x, (k_cache, v_cache)
+
+
+class Transformer(nn.Module):
+    """Decoder. `__call__` returns (logits [B, T, V], new cache); with `head=False` it
+    returns the final-normed hidden states [B, T, D] instead (features for drafters, and
+    prefill, which needs no logits)."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+        self.layers = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+        )(cfg, name="layers")
+        self.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+
+    def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
+        x = self.embed(tokens)
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
+        hidden = self.final_norm(x)
+        out = self.logits(hidden) if head else hidden
+        return out, KVCache(k=k, v=v)
+
+    def logits(self, hidden):
+        if self.cfg.tie_embeddings:
+            return self.embed.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 1.0):
+    """Random parameters (tests, tiny models). `scale` multiplies every weight."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    positions = jnp.arange(2, dtype=jnp.int32)[None]
+    params = model.init(jax.random.PRNGKey(seed), tokens, positions, init_cache(cfg, 1, 4))
+    params = params["params"]
+    if scale != 1.0:
+        params = jax.tree.map(lambda a: a * scale, params)
+    return params

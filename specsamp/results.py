@@ -1,0 +1,69 @@
+"""What the engine returns for each sample: the text and its statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One generated sample and its per-sample statistics.
+
+    Timing: `prefill_s` and `decode_s` are wall-clock seconds of the compiled calls. In a
+    batch, the decode time of the batch is shared among its rows in proportion to the loops
+    each row was active; with batch size 1 (the paper's latency setting) it is exact.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    stop_reason: str  # 'eos' | 'stop' | 'max_tokens'
+    mode: str  # 'speculative' | 'autoregressive'
+    target_calls: int
+    draft_calls: int
+    accepted_per_loop: tuple[int, ...]
+    prefill_s: float
+    decode_s: float
+    k: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = self.k * len(self.accepted_per_loop)
+        return sum(self.accepted_per_loop) / drafted if drafted else math.nan
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.generated_tokens / self.target_calls if self.target_calls else math.nan
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def ms_per_token(self) -> float:
+        n = self.generated_tokens
+        return 1000.0 * self.decode_s / n if n else math.nan
+
+    def stats(self) -> dict:
+        """Every statistic as plain JSON-able values."""
+        return {
+            "mode": self.mode,
+            "k": self.k,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "stop_reason": self.stop_reason,
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+            "accepted_per_loop": list(self.accepted_per_loop),
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_call": self.tokens_per_call,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "total_s": self.total_s,
+            "ms_per_token": self.ms_per_token,
+        }

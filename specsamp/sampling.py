@@ -1,0 +1,57 @@
+"""Logits -> float32 probabilities, and drawing from them.
+
+Order (fixed; the draft and the target get the same transform):
+  1. temperature: logits / T (T = 0 is greedy: a point mass on the argmax, first index on ties);
+  2. top-k: keep the k largest tempered logits (ties at the k-th value are all kept);
+  3. top-p: of what is left, keep the smallest prefix of tokens sorted by probability whose
+     mass reaches p (the token crossing p is kept; ties at either cut are all kept);
+  4. renormalise.
+The arrays returned here are the very arrays a draft token is drawn from, the arrays in
+min(1, q/p), and the arrays in the residual (q - p)+. Nothing mutates them in between.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specsamp.config import SamplingParams
+
+
+def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """logits [..., V] -> probabilities [..., V] float32. `sp` is static."""
+    logits = logits.astype(jnp.float32)
+    if sp.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    logits = logits / sp.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if 0 < sp.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, neg)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if sp.top_p < 1.0:
+        probs = _nucleus(probs, sp.top_p)
+    return probs
+
+
+def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+    sorted_p = -jnp.sort(-probs, axis=-1)
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    # The smallest kept probability: the token whose inclusion reaches top_p. Keeping every
+    # token at least that likely keeps ties at the cut (as top-k does).
+    cut = jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    kept = jnp.where(probs >= cut, probs, 0.0)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row of probs [..., V] (zeros are never drawn)."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def residual(q: jax.Array, p: jax.Array) -> jax.Array:
+    """(q - p)+ normalised. Where it is all zero (q == p up to rounding: rejection then has
+    probability ~0), fall back to q so the draw stays well defined."""
+    diff = jnp.maximum(q - p, 0.0)
+    total = jnp.sum(diff, axis=-1, keepdims=True)
+    return jnp.where(total > 0, diff / jnp.where(total > 0, total, 1.0), q)

@@ -1,0 +1,97 @@
+"""The decoding loop's state and the one way tokens are committed to it.
+
+All arrays have a leading batch axis B. Each row advances by its own count: rows never wait
+for each other except that the loop runs until every row is done.
+
+Convention: `length[b]` tokens of row b are final (prompt + generated). The last of them, at
+index t = length - 1, is the "current" token: it has not yet been fed to the models, so
+both caches hold valid entries for positions < t only.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specsamp.models import KVCache
+
+RUNNING, EOS, STOP, MAX_TOKENS = 0, 1, 2, 3
+STOP_REASONS = {EOS: "eos", STOP: "stop", MAX_TOKENS: "max_tokens"}
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [B, S] int32: prompt then generated tokens; beyond length: stale
+    length: jax.Array  # [B] int32
+    prompt_len: jax.Array  # [B] int32
+    max_len: jax.Array  # [B] int32: prompt_len + max_new_tokens
+    keys: jax.Array  # [B, 2] uint32: each row's own key (from its seed)
+    stop_reason: jax.Array  # [B] int32, RUNNING until the row is done
+    loops: jax.Array  # [B] int32: target calls (rounds) while the row was running
+    accepted: jax.Array  # [B, R] int32: accepted draft tokens in each round
+    target_cache: KVCache
+    draft_cache: KVCache | None = None
+
+    @property
+    def done(self) -> jax.Array:
+        return self.stop_reason != RUNNING
+
+    @property
+    def current(self) -> jax.Array:
+        return self.length - 1
+
+
+def round_keys(state: DecodeState) -> jax.Array:
+    """A fresh key per row and round: the row's key folded with its current length, which
+    grows every round. A sample depends only on its seed and its own tokens, never on the
+    batch it ran in."""
+    return jax.vmap(jax.random.fold_in)(state.keys, state.length)
+
+
+def gather_window(tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """tokens[b, start[b] : start[b] + width] for each row."""
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (width,)))(tokens, start)
+
+
+def commit(
+    state: DecodeState, new: jax.Array, count: jax.Array, n_accepted: jax.Array,
+    eos_ids: jax.Array, stop_ids: jax.Array,
+) -> DecodeState:
+    """Append new[b, :count[b]] to each running row, cut after an EOS or stop id (which is
+    kept) or at max_len.
+
+    new: [B, W] candidate tokens (entries at or beyond count are ignored);
+    count: [B] tokens the round produced (1..W); n_accepted: [B] draft tokens kept.
+    """
+    width = new.shape[1]
+    j = jnp.arange(width)[None, :]
+    produced = j < count[:, None]
+    is_eos = jnp.isin(new, eos_ids)
+    is_stop = produced & (is_eos | jnp.isin(new, stop_ids))
+    any_stop = jnp.any(is_stop, axis=1)
+    until_stop = jnp.where(any_stop, jnp.argmax(is_stop, axis=1) + 1, count)
+    room = state.max_len - state.length
+    emit = jnp.minimum(until_stop, room)
+    running = ~state.done
+
+    tokens = jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (s,)))(
+        state.tokens, new, state.length
+    )
+    length = jnp.where(running, state.length + emit, state.length)
+    hit_stop = any_stop & (until_stop <= room)
+    stopped_on_eos = jnp.take_along_axis(is_eos, (until_stop - 1)[:, None], axis=1)[:, 0]
+    stop_kind = jnp.where(stopped_on_eos, EOS, STOP)
+    reason = jnp.where(hit_stop, stop_kind, jnp.where(length >= state.max_len, MAX_TOKENS, RUNNING))
+    reason = jnp.where(running, reason, state.stop_reason)
+    rows = jnp.arange(new.shape[0])
+    accepted = state.accepted.at[rows, state.loops].set(
+        jnp.where(running, n_accepted, state.accepted[rows, state.loops]), mode="drop"
+    )
+    return state.replace(
+        tokens=jnp.where(running[:, None], tokens, state.tokens),
+        length=length,
+        stop_reason=reason,
+        loops=state.loops + running.astype(jnp.int32),
+        accepted=accepted,
+    )
