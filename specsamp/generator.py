@@ -1,0 +1,208 @@
+"""Text in, completions out: the API the command line and the Beam handler use.
+
+    gen = load_generator(GeneratorSpec(draft="ngram", k=4, chat=True))
+    [c] = gen.generate(["Write a function that reverses a string."], seeds=[0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import time
+from typing import Callable, Sequence
+
+import jax
+
+from specsamp.config import SamplingParams, check_k, check_max_new_tokens
+from specsamp.decode import Program
+from specsamp.drafters import ModelDrafter, NgramDrafter
+from specsamp.engine import Engine, enable_compilation_cache
+from specsamp.errors import UserError
+from specsamp.results import Completion
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorSpec:
+    """target: None or 'smollm2' (the embedded default), or a local / gs:// path to a .gguf
+    file or a Hugging Face folder. draft: 'none' (plain autoregressive sampling, the
+    baseline), 'ngram' (prompt lookup, 'ngram:N' for n-grams up to N), 'early-exit:L' (the
+    target's first L layers), or a path to a draft model sharing the target's vocabulary."""
+
+    target: str | None = None
+    draft: str = "none"
+    k: int = 4
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 256
+    chat: bool = False
+    system: str | None = None
+    stop: tuple[str, ...] = ()
+    batch_size: int = 1
+
+    def __post_init__(self):
+        check_k(self.k)
+        check_max_new_tokens(self.max_new_tokens)
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise UserError(f"batch size must be an integer >= 1, got {self.batch_size!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        parse_draft(self.draft)
+
+    @property
+    def mode(self) -> str:
+        return "autoregressive" if self.draft == "none" else "speculative"
+
+
+def parse_draft(draft: str) -> tuple[str, object]:
+    """'none' | 'ngram[:N]' | 'early-exit:L' | path -> (kind, argument)."""
+    if not isinstance(draft, str) or not draft:
+        raise UserError(f"draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
+    if draft == "none":
+        return "none", None
+    if draft == "ngram" or draft.startswith("ngram:"):
+        n = draft.partition(":")[2] or "3"
+        if not n.isdigit() or not 1 <= int(n) <= 8:
+            raise UserError(f"ngram size must be 1..8, got {draft!r}")
+        return "ngram", int(n)
+    if draft.startswith("early-exit"):
+        layers = draft.partition(":")[2]
+        if not layers.isdigit() or int(layers) < 1:
+            raise UserError(f"early exit needs a layer count, e.g. early-exit:2, got {draft!r}")
+        return "early-exit", int(layers)
+    return "model", draft
+
+
+def _slice_layers(params, n_layers: int):
+    return {**params, "layers": jax.tree.map(lambda a: a[:n_layers], params["layers"])}
+
+
+class Generator:
+    """A target (and drafter) loaded once, ready to generate for text prompts."""
+
+    def __init__(self, spec: GeneratorSpec):
+        from specsamp.loading import check_same_vocab, load_model
+
+        enable_compilation_cache()
+        self.spec = spec
+        self.target = load_model(spec.target)
+        self.tokenizer = self.target.tokenizer
+        kind, arg = parse_draft(spec.draft)
+        cfg, sp, k = self.target.cfg, spec.sampling, spec.k
+        draft_params, drafter = None, None
+        if kind == "ngram":
+            drafter = NgramDrafter(k, cfg.vocab_size, arg)
+        elif kind == "early-exit":
+            if arg >= cfg.n_layers:
+                raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
+            drafter = ModelDrafter(cfg.truncated(arg), k, sp, kind="early-exit")
+            draft_params = _slice_layers(self.target.params, arg)
+        elif kind == "model":
+            draft = load_model(arg)
+            check_same_vocab(self.target, draft)
+            drafter = ModelDrafter(draft.cfg, k, sp)
+            draft_params = draft.params
+        self.drafter = drafter
+        self.engine = Engine(
+            Program(cfg, sp, drafter), self.target.params, draft_params,
+            eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
+            rounds_per_call=16 if spec.stop else 1 << 30,
+        )
+        self._cost_ratio: float | None = None
+
+    # Identity of what runs, for tables and reports.
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    @property
+    def target_id(self) -> str:
+        return self.target.name
+
+    @property
+    def draft_id(self) -> str:
+        return self.spec.draft
+
+    @property
+    def device_kind(self) -> str:
+        dev = jax.devices()[0]
+        return dev.device_kind if dev.platform != "cpu" else f"cpu ({platform.machine()})"
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.engine.max_prompt_tokens
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text.strip():
+            raise UserError("empty prompt")
+        if self.spec.chat:
+            text = self.tokenizer.chat(text, system=self.spec.system)
+        return self.tokenizer.encode(text)
+
+    def prompt_tokens(self, text: str) -> int:
+        return len(self.encode_prompt(text))
+
+    def generate(
+        self, prompts: Sequence[str], seeds: Sequence[int],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Completions for `prompts`, in batches of spec.batch_size, one seed per prompt."""
+        if len(prompts) != len(seeds):
+            raise UserError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        out: list[Completion] = []
+        bs = self.spec.batch_size
+        for i in range(0, len(prompts), bs):
+            out.extend(self._generate_batch(prompts[i : i + bs], seeds[i : i + bs]))
+            if progress is not None:
+                progress(len(out))
+        return out
+
+    def _generate_batch(self, prompts, seeds) -> list[Completion]:
+        ids = [self.encode_prompt(p) for p in prompts]
+        stop_check = self._stop_check if self.spec.stop else None
+        raws = self.engine.run(ids, seeds, should_stop=stop_check)
+        return [self._to_completion(r) for r in raws]
+
+    def _stop_check(self, row: int, generated: list[int]) -> bool:
+        text = self.tokenizer.decode(generated)
+        return any(s in text for s in self.spec.stop)
+
+    def _to_completion(self, raw) -> Completion:
+        ids = list(raw.token_ids)
+        body = ids[:-1] if raw.stop_reason == "eos" else ids
+        text = self.tokenizer.decode(body)
+        reason = raw.stop_reason
+        cut = min((text.find(s) for s in self.spec.stop if s in text), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        k = self.spec.k if self.drafter is not None else 0
+        draft_calls = raw.loops * (self.drafter.calls_per_round if self.drafter else 0)
+        return Completion(
+            text=text, token_ids=tuple(ids), prompt_tokens=raw.prompt_tokens,
+            stop_reason=reason, mode=self.mode, target_calls=raw.loops,
+            draft_calls=draft_calls, accepted_per_loop=raw.accepted,
+            prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
+        )
+
+    @property
+    def cost_ratio(self) -> float:
+        """Measured draft step time / target step time on this machine (0 for n-gram,
+        NaN for the baseline). Measured once, lazily."""
+        if self._cost_ratio is None:
+            from specsamp.costs import measure_cost_ratio
+
+            self._cost_ratio = measure_cost_ratio(self.engine) if self.drafter else math.nan
+        return self._cost_ratio
+
+
+def load_generator(spec: GeneratorSpec) -> Generator:
+    return Generator(spec)
+
+
+def seed_for(base_seed: int, prompt_id: str) -> int:
+    """A sample's seed from the run's seed and the prompt id: reproducible wherever and in
+    whatever batch the prompt runs."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+

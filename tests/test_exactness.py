@@ -1,0 +1,148 @@
+"""The compiled loops sample exactly from the target.
+
+Statistical checks compare the joint distribution of the first three generated tokens with
+exact target probabilities from full forward passes (no cache) on a vocabulary of 8; each
+check is a chi-square test at a false-alarm rate of ALPHA = 1e-4, on fixed seeds (so the
+suite is deterministic). Greedy checks demand token-for-token equality.
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from specsamp.config import SamplingParams
+from specsamp.decode import Program
+from specsamp.drafters import ModelDrafter, NgramDrafter
+from specsamp.engine import Engine
+from specsamp.models.llama import Transformer, init_cache
+from tests import tiny
+
+ALPHA = 1e-4
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so that n-gram lookup proposes something
+N_SAMPLES = 24_000
+N_TOKENS = 3
+
+
+def exact_joint(sp: SamplingParams) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes."""
+    from specsamp.sampling import probs_from_logits
+
+    v = tiny.TARGET.vocab_size
+    seqs = np.array([PROMPT + list(c) for c in itertools.product(range(v), repeat=N_TOKENS)])
+    b, t = seqs.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, _ = Transformer(tiny.TARGET).apply(
+        {"params": tiny.target_params()}, jnp.asarray(seqs), positions, init_cache(tiny.TARGET, b, t)
+    )
+    probs = np.asarray(probs_from_logits(logits, sp), np.float64)
+    n = len(PROMPT)
+    joint = np.ones(len(seqs))
+    for i in range(N_TOKENS):
+        joint *= probs[np.arange(b), n - 1 + i, seqs[:, n + i]]
+    return joint.reshape((v,) * N_TOKENS)
+
+
+def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
+    draft_params, drafter = None, None
+    if drafter_kind == "model":
+        drafter, draft_params = ModelDrafter(tiny.DRAFT, k, sp), tiny.draft_params()
+    elif drafter_kind == "early-exit":
+        drafter, draft_params = ModelDrafter(tiny.TARGET.truncated(1), k, sp), tiny.early_exit_params(1)
+    elif drafter_kind == "ngram":
+        drafter = NgramDrafter(k, tiny.TARGET.vocab_size)
+    return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
+                  eos_ids=(), max_new_tokens=max_new)
+
+
+def sample_counts(engine) -> tuple[np.ndarray, float]:
+    v = tiny.TARGET.vocab_size
+    counts = np.zeros((v,) * N_TOKENS)
+    accepted = drafted = 0
+    for start in range(0, N_SAMPLES, 8000):
+        seeds = list(range(start, start + 8000))
+        for r in engine.run([PROMPT] * len(seeds), seeds):
+            counts[tuple(r.token_ids[:N_TOKENS])] += 1
+            accepted += sum(r.accepted)
+            drafted += engine.prog.k * r.loops
+    return counts, accepted / max(drafted, 1)
+
+
+def chi_square_pvalue(counts, probs):
+    counts, probs = counts.ravel(), probs.ravel()
+    assert counts[probs == 0].sum() == 0, "sampled a sequence of zero target probability"
+    expected = probs / probs.sum() * counts.sum()  # probs sum to 1 up to float32 rounding
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+CASES = [
+    # (drafter, K, temperature, top_k, top_p)
+    ("none", 0, 1.0, 0, 1.0),
+    ("model", 2, 1.0, 0, 1.0),
+    ("model", 3, 0.7, 4, 1.0),
+    ("model", 2, 1.2, 0, 0.8),
+    ("early-exit", 2, 1.0, 3, 0.9),
+    ("ngram", 2, 1.0, 0, 1.0),
+    ("ngram", 3, 0.8, 0, 0.95),
+]
+
+
+@pytest.mark.parametrize("drafter,k,temperature,top_k,top_p", CASES)
+def test_joint_distribution_of_three_tokens_matches_target(drafter, k, temperature, top_k, top_p):
+    sp = SamplingParams(temperature, top_k, top_p)
+    counts, acceptance = sample_counts(make_engine(sp, drafter, max(k, 1)))
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+    if drafter != "none":
+        assert 0.0 < acceptance < 1.0  # both branches of the rule were exercised
+
+
+def test_the_statistical_check_has_power():
+    """A sampler from a slightly different distribution (temperature 1.1 instead of 1.0)
+    must fail the same check: the test above can fail."""
+    counts, _ = sample_counts(make_engine(SamplingParams(1.1), "model", 2))
+    assert chi_square_pvalue(counts, exact_joint(SamplingParams(1.0))) < ALPHA
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2), ("ngram", 5)])
+def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
+    sp = SamplingParams(0.0)
+    prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+    ar = make_engine(sp, "none", 1, max_new=24).run(prompts, [0, 1, 2, 3])
+    spec = make_engine(sp, drafter, k, max_new=24).run(prompts, [0, 1, 2, 3])
+    for a, s in zip(ar, spec):
+        assert s.token_ids == a.token_ids
+        assert len(s.token_ids) == 24 and s.stop_reason == "max_tokens"
+        # Each round emits accepted + 1 tokens; the last round may be cut at max tokens.
+        assert sum(s.accepted) + s.loops >= 24 > sum(s.accepted[:-1]) + s.loops - 1
+
+
+def test_sample_depends_only_on_its_seed_not_its_batch():
+    sp = SamplingParams(1.0, 0, 0.9)
+    engine = make_engine(sp, "model", 3, max_new=12)
+    alone = engine.run([PROMPT], [42])[0]
+    batched = engine.run([[5, 4], PROMPT, [7, 7, 7]], [1, 42, 3])[1]
+    assert alone.token_ids == batched.token_ids
+
+
+def test_rows_stop_independently_on_eos():
+    """A row that hits EOS stops there (EOS kept); the others go on to max tokens."""
+    sp = SamplingParams(0.0)
+    prompts = [PROMPT, [5, 4]]
+    free = make_engine(sp, "model", 3, max_new=16).run(prompts, [0, 0])
+    first = free[0].token_ids
+    cut = next(j for j in range(1, 16) if first[j] not in first[:j])  # a fresh token
+    eos = first[cut]
+    engine = Engine(Program(tiny.TARGET, sp, ModelDrafter(tiny.DRAFT, 3, sp)), tiny.target_params(),
+                    tiny.draft_params(), eos_ids=(eos,), max_new_tokens=16)
+    a, b = engine.run(prompts, [0, 0])
+    assert a.token_ids == first[: cut + 1] and a.stop_reason == "eos"
+    other = free[1].token_ids
+    end = other.index(eos) + 1 if eos in other else 16
+    assert b.token_ids == other[:end]
+    assert b.stop_reason == ("eos" if eos in other else "max_tokens")

@@ -1,0 +1,28 @@
+"""Tiny random model pairs shared by the engine tests (one compiled program per shape)."""
+
+import functools
+
+import jax
+
+from specsamp.models.llama import ModelConfig, init_params
+
+TARGET = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, d_ff=48, max_seq_len=256)
+DRAFT = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                    head_dim=8, d_ff=32, max_seq_len=256)
+
+
+@functools.cache
+def target_params():
+    # Scale 1: distributions spread over the 8 tokens (checked), and far from the draft's.
+    return init_params(TARGET, seed=11, scale=1.0)
+
+
+@functools.cache
+def draft_params():
+    return init_params(DRAFT, seed=12, scale=1.0)
+
+
+def early_exit_params(n_layers=1):
+    p = target_params()
+    return {**p, "layers": jax.tree.map(lambda a: a[:n_layers], p["layers"])}
