@@ -20,19 +20,35 @@ def _step(cfg: ModelConfig, params, tokens, positions, cache):
     return Transformer(cfg).apply({"params": params}, tokens, positions, cache)
 
 
-def step_seconds(cfg: ModelConfig, params, tokens_per_call: int = 1, slots: int = 512,
-                 repeats: int = 7) -> float:
-    """Median seconds of one forward of `tokens_per_call` tokens (batch 1)."""
+def _timer(cfg: ModelConfig, params, tokens_per_call: int, slots: int):
     cache = init_cache(cfg, 1, slots)
     tokens = jnp.zeros((1, tokens_per_call), jnp.int32)
     positions = 100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None]
-    jax.block_until_ready(_step(cfg, params, tokens, positions, cache))
-    times = []
-    for _ in range(repeats):
+    jax.block_until_ready(_step(cfg, params, tokens, positions, cache))  # compile
+
+    def once() -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(_step(cfg, params, tokens, positions, cache))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+
+    return once
+
+
+def step_seconds(cfg: ModelConfig, params, tokens_per_call: int = 1, slots: int = 512,
+                 repeats: int = 7) -> float:
+    """Median seconds of one forward of `tokens_per_call` tokens (batch 1)."""
+    once = _timer(cfg, params, tokens_per_call, slots)
+    return statistics.median(once() for _ in range(repeats))
+
+
+def time_ratio(a, b, repeats: int = 9) -> float:
+    """Median of a()/b() over interleaved calls: robust to a machine whose load changes."""
+    return statistics.median(a() / b() for _ in range(repeats))
+
+
+def scoring_ratio(cfg: ModelConfig, params, k: int, slots: int = 512) -> float:
+    """Time of scoring K+1 tokens in one call / time of one single-token step."""
+    return time_ratio(_timer(cfg, params, k + 1, slots), _timer(cfg, params, 1, slots))
 
 
 def measure_cost_ratio(engine) -> float:
@@ -41,6 +57,7 @@ def measure_cost_ratio(engine) -> float:
         return float("nan")
     if not drafter.uses_cache:
         return 0.0
-    target = step_seconds(engine.prog.target, engine.target_params)
-    draft = step_seconds(drafter.cfg, engine.draft_params)
-    return draft / target
+    return time_ratio(
+        _timer(drafter.cfg, engine.draft_params, 1, 512),
+        _timer(engine.prog.target, engine.target_params, 1, 512),
+    )

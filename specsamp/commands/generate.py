@@ -1,0 +1,48 @@
+"""`specsamp generate`: one completion and its statistics, without Beam."""
+
+from __future__ import annotations
+
+from specsamp.commands.common import (
+    add_model_args, add_sampling_args, print_json, spec_from, status,
+)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate one completion and print its statistics")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_model_args(p, draft_default="ngram")
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import time
+
+    from specsamp.generator import load_generator
+
+    spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop))
+    t0 = time.perf_counter()
+    if not args.json:
+        status(f"loading {spec.target or 'smollm2 (embedded default)'} with drafter {spec.draft} ...")
+    gen = load_generator(spec)
+    [c] = gen.generate([args.prompt], [args.seed])
+    if args.json:
+        print_json({"text": c.text, "token_ids": list(c.token_ids), **c.stats()})
+        return 0
+    print(c.text)
+    s = c.stats()
+    status(
+        f"\n--- {s['generated_tokens']} tokens, stop: {s['stop_reason']}, mode: {s['mode']}"
+        + (f", K={c.k}" if c.k else "")
+        + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
+        f"tokens/call {s['tokens_per_call']:.2f}"
+        + (f", acceptance {s['acceptance_rate']:.2f}" if c.k else "")
+        + f"\n    prefill {s['prefill_s']:.3f} s, decode {s['decode_s']:.3f} s "
+        f"({s['ms_per_token']:.1f} ms/token; includes compilation on a first run; "
+        f"total wall {time.perf_counter() - t0:.1f} s)"
+    )
+    return 0

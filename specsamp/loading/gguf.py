@@ -1,0 +1,181 @@
+"""GGUF files (llama.cpp's format) -> ModelConfig, float32 parameters, Tokenizer.
+
+Two layout facts matter here:
+- GGUF lists a tensor's dimensions fastest-first, so the array of a weight is [out, in]
+  (PyTorch's layout); our Dense kernels are [in, out].
+- llama.cpp's converter permutes the rows of Q and K of 'llama' models so that its
+  interleaved RoPE (pairs 2i, 2i+1) computes what Hugging Face's rotate-half RoPE (pairs
+  i, i + E/2) computed. Our model is rotate-half, so the permutation is undone. Keeping it
+  runs without error and produces fluent-looking nonsense, so tests check logits against an
+  independent implementation. 'qwen2' models are written unpermuted (llama.cpp runs them
+  with rotate-half), so nothing is undone there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specsamp.errors import UserError
+from specsamp.models.llama import ModelConfig
+from specsamp.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf
+
+ARCHITECTURES = ("llama", "qwen2")
+_PERMUTED_QK = ("llama",)
+
+# GGUF per-layer tensor -> our path under `layers` (kernels are transposed to [in, out])
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm/scale",
+    "attn_q.weight": "attn/q/kernel",
+    "attn_k.weight": "attn/k/kernel",
+    "attn_v.weight": "attn/v/kernel",
+    "attn_output.weight": "attn/o/kernel",
+    "attn_q.bias": "attn/q/bias",
+    "attn_k.bias": "attn/k/bias",
+    "attn_v.bias": "attn/v/bias",
+    "ffn_norm.weight": "mlp_norm/scale",
+    "ffn_gate.weight": "mlp/gate/kernel",
+    "ffn_up.weight": "mlp/up/kernel",
+    "ffn_down.weight": "mlp/down/kernel",
+}
+_GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
+    """(config, flat {"layers/attn/q/kernel": float32 array} in the Transformer's layout,
+    tokenizer)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta = _Metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHITECTURES)})")
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _config(meta, arch, tensors)
+    params = _params(tensors, cfg, permuted_qk=arch in _PERMUTED_QK)
+    return cfg, params, _tokenizer(meta)
+
+
+class _Metadata:
+    def __init__(self, reader):
+        self.fields = reader.fields
+
+    def get(self, key, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()
+
+    def strings(self, key) -> list[str]:
+        # contents() builds one Python object per element; decoding the parts directly is
+        # ~20x faster for a 49k-entry vocabulary.
+        field = self.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    def ints(self, key) -> list[int]:
+        field = self.fields[key]
+        return [int(field.parts[i][0]) for i in field.data]
+
+
+def _config(meta: _Metadata, arch: str, tensors: dict) -> ModelConfig:
+    def need(key):
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise UserError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensors:
+        raise UserError(f"RoPE scaling ({scaling or 'rope_freqs'}) is not supported")
+    d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
+    if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise UserError("partial rotary embeddings are not supported")
+    return ModelConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        d_model=d_model,
+        n_layers=int(need("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        d_ff=int(need("feed_forward_length")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        max_seq_len=int(meta.get(f"{arch}.context_length", 8192)),
+    )
+
+
+def dequantize(tensor) -> np.ndarray:
+    """float32 array of a GGUF tensor, in numpy (row-major, slowest dimension first) order."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        out = gguf_dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UserError(f"GGUF tensor type {Q(tensor.tensor_type).name} ({tensor.name}) "
+                        "is not supported") from None
+    return np.asarray(out, dtype=np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's HF->GGUF `permute`: rows [out] (optionally with an [in] axis)
+    go from per-head interleaved (2i, 2i+1) pairs back to rotate-half (i, i + E/2) order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _params(tensors: dict, cfg: ModelConfig, permuted_qk: bool) -> dict:
+    known = set(_GLOBAL_TENSORS) | {f"blk.{i}.{n}" for i in range(cfg.n_layers)
+                                    for n in _LAYER_TENSORS}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise UserError(f"unexpected GGUF tensors (unsupported model variant): {unknown[:4]}")
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    params = {"embed/embedding": dequantize(tensors["token_embd.weight"]),
+              "final_norm/scale": dequantize(tensors["output_norm.weight"])}
+    for suffix, dest in _LAYER_TENSORS.items():
+        if f"blk.0.{suffix}" not in tensors:
+            continue
+        stack = []
+        for i in range(cfg.n_layers):
+            w = dequantize(tensors[f"blk.{i}.{suffix}"])
+            kind = suffix.split(".")[0]
+            if permuted_qk and kind in heads:
+                w = unpermute_qk(w, heads[kind])
+            stack.append(w.T if dest.endswith("kernel") else w)
+        # np.stack keeps the transposed views' strides; safetensors writes raw buffers.
+        params[f"layers/{dest}"] = np.ascontiguousarray(np.stack(stack))
+    if not cfg.tie_embeddings:
+        params["lm_head/kernel"] = np.ascontiguousarray(dequantize(tensors["output.weight"]).T)
+    return params
+
+
+def _tokenizer(meta: _Metadata) -> Tokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UserError(f"GGUF tokenizer model {model!r} is not supported (supported: gpt2, "
+                        "i.e. byte-level BPE); load the model from its Hugging Face folder instead")
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    types = meta.ints("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in meta.fields \
+        else [1] * len(tokens)
+    tk = bpe_from_gguf(tokens, meta.strings("tokenizer.ggml.merges"), types,
+                       meta.get("tokenizer.ggml.pre", "default"))
+    ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id")
+           for name in ("bos", "eos", "eot", "eom", "unknown", "padding")}
+    specials = {f"{name}_token": tokens[i] for name, i in
+                (("bos", ids["bos"]), ("eos", ids["eos"]), ("unk", ids["unknown"]),
+                 ("pad", ids["padding"])) if i is not None and 0 <= i < len(tokens)}
+    tk_meta = TokenizerMeta(
+        bos_id=ids["bos"],
+        eos_ids=tuple(sorted({int(ids[k]) for k in ("eos", "eot", "eom") if ids[k] is not None})),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_spaces=False,  # llama.cpp sets this only for old pre-tokenizers we refuse
+        special_strings=specials,
+    )
+    return Tokenizer(tk, tk_meta)

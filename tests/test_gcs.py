@@ -1,0 +1,114 @@
+"""gs:// inputs, outputs and checkpoints against a real local GCS emulator started here.
+
+Beam's own gs:// IO looks for credentials for ~20 s per process, so only one test runs a
+Beam job; the others exercise the checks made before a job starts.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas import COMPLETIONS
+from specsamp import storage
+from specsamp.cli import main
+from tests.pipeline_support import tiny_models
+
+BUCKET = "specsamp-test"
+PROMPTS = ["def add(a, b):", "the quick brown fox", "hello world", "for i in range(3):"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gcp-storage-emulator exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("gcp-storage-emulator did not start")
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator with one bucket, and the environment that points clients at it."""
+    port = _free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
+    proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port),
+                             "--default-bucket", BUCKET, "--in-memory", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+        mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        # Remote checkpoints are copied into the cache: keep those copies in tmp, but
+        # keep sharing compiled programs with the other tests.
+        jax_cache = os.environ.get("SPECSAMP_JAX_CACHE") or os.path.join(
+            os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp")), "jax")
+        mp.setenv("SPECSAMP_JAX_CACHE", jax_cache)
+        mp.setenv("SPECSAMP_CACHE", str(tmp_path_factory.mktemp("cache")))
+        try:
+            _wait_for(port, proc)
+            yield f"gs://{BUCKET}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _upload(local_dir: str, url: str) -> None:
+    fs, path = storage.filesystem(url)
+    for name in os.listdir(local_dir):
+        fs.put(os.path.join(local_dir, name), f"{path}/{name}")
+
+
+def test_gs_round_trip(gcs, tmp_path, capsys):
+    """Prompts, checkpoints and tables all on gs://: prepare, run, read back, resume."""
+    target, draft = tiny_models(str(tmp_path / "models"))
+    _upload(target, f"{gcs}/models/target")
+    local = tmp_path / "prompts.jsonl"
+    local.write_text("\n".join('{"text": "%s"}' % p for p in PROMPTS))
+    assert main(["prepare", "file", str(local), "--prompt-column", "text", "--out", f"{gcs}/prompts",
+                 "--shard-size", "3"]) == 0
+    config = tmp_path / "gs.yaml"
+    config.write_text(f"input: {gcs}/prompts/prompts-*.parquet\noutput: {gcs}/runs/one\n"
+                      f"target: {gcs}/models/target\nmax_new_tokens: 8\n"
+                      f"settings:\n  - {{draft: none}}\n  - {{draft: {draft}, k: 2}}\n")
+    capsys.readouterr()
+    assert main(["run", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"{gcs}/runs/one/completions-*.parquet  8 rows" in out
+
+    paths = storage.glob(f"{gcs}/runs/one/completions-*.parquet")
+    fs, _ = storage.filesystem(gcs)
+    table = pa.concat_tables([pq.read_table(storage.filesystem(p)[1], filesystem=fs) for p in paths])
+    assert sorted(table.column("id").to_pylist()) == sorted(f"prompts/{i}" for i in range(4) for _ in range(2))
+    assert set(table.column("target").to_pylist()) == {f"{gcs}/models/target"}
+    assert table.schema.field("accepted_per_loop").type.equals(COMPLETIONS.field("accepted_per_loop").type)
+    assert storage.glob(f"{gcs}/runs/one/errors-*.parquet")  # written even when empty
+
+    assert main(["run", "--config", str(config)]) == 0  # resume: nothing left, no Beam job
+    assert "nothing to do" in capsys.readouterr().err
+    assert storage.glob(f"{gcs}/runs/one/completions-*.parquet") == paths
+
+
+def test_unreachable_bucket_and_missing_input_fail_before_work(gcs, tmp_path, capsys):
+    local = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["hi"]}), str(local))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"input: {local}\noutput: gs://no-such-bucket-here/out\nsettings: [{{draft: none}}]\n")
+    assert main(["run", "--config", str(config)]) == 2
+    assert "gs://no-such-bucket-here does not exist or is not reachable" in capsys.readouterr().err
+    assert main(["run", "--config", str(config), "--input", f"{gcs}/nothing/*.parquet"]) == 2
+    assert "no input files match" in capsys.readouterr().err

@@ -1,0 +1,204 @@
+"""The Beam pipeline on a tiny random model (real engine, real Beam, FnApiRunner).
+
+One module-scoped run over good and bad prompts with three settings (baseline, a draft
+model, n-gram) is checked from several sides; the compiled programs are shared by all
+tests of the module through the handler's per-process generator cache.
+"""
+
+import json
+import math
+import os
+
+import apache_beam as beam
+import pytest
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines import rows
+from pipelines.generate import build, run
+from pipelines.handler import generator_spec
+from pipelines.plan import make_plan
+from schemas import COMPLETIONS, ERRORS, check_file
+from specsamp import runconfig
+from tests.pipeline_support import FAILING_LOADER, files, read, tiny_models, write_config, write_prompts
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    target, draft = tiny_models(str(root / "models"))
+    expected = write_prompts(str(root / "prompts"))
+    config = write_config(str(root / "run.yaml"), target, draft)
+    summary = run(["--config", config], loader=FAILING_LOADER)
+    cfg = runconfig.load(config)
+    return {"root": root, "cfg": cfg, "config": config, "expected": expected, "summary": summary,
+            "out": cfg.output, "target": target, "draft": draft}
+
+
+def test_every_row_ends_in_exactly_one_table(env):
+    """Catches lost, duplicated or doubly-routed rows: N prompts x S settings in, N*S out."""
+    cfg, expected = env["cfg"], env["expected"]
+    done = read(env["out"], "completions").to_pylist()
+    failed = read(env["out"], "errors").to_pylist()
+    keys = [(r["id"], r["draft"], r["k"]) for r in done + failed]
+    assert len(keys) == len(set(keys)) == len(expected) * len(cfg.settings)
+    assert set(keys) == {(i, s.draft, s.k) for i in expected for s in cfg.settings}
+    assert {r["id"] for r in done} == {i for i, kind in expected.items() if kind is None}
+    assert env["summary"].completions == len(done) and env["summary"].errors == len(failed)
+
+
+def test_errors_carry_the_reason(env):
+    """Each bad row lands in the error table with its own kind; a failing prompt in a
+    batch of two does not take its batch-mate down (per-element handling)."""
+    failed = read(env["out"], "errors").to_pylist()
+    assert {(r["id"], r["error_kind"]) for r in failed} == {
+        (i, kind) for i, kind in env["expected"].items() if kind is not None}
+    boom = [r for r in failed if r["id"] == "boom"]
+    assert all("injected engine failure" in r["error"] for r in boom)
+    long = next(r for r in failed if r["id"] == "long")
+    assert "tokens" in long["error"] and long["prompt"] == "zq" * 150
+
+
+def test_tables_follow_the_schemas(env):
+    for path in files(env["out"], "completions"):
+        check_file(path, COMPLETIONS)
+    for path in files(env["out"], "errors"):
+        check_file(path, ERRORS)
+    table = read(env["out"], "completions")
+    assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
+    assert table.schema.metadata[b"specsamp.schema_version"] == b"1"
+
+
+def test_statistics_are_consistent(env):
+    """Speculative rows: each loop yields its accepted tokens plus one from the target,
+    so generated = sum(accepted) + loops unless the last loop was cut at max tokens."""
+    cfg = env["cfg"]
+    for r in read(env["out"], "completions").to_pylist():
+        acc, n, calls = r["accepted_per_loop"], r["generated_tokens"], r["target_calls"]
+        assert n == len(r["completion_token_ids"]) and 1 <= n <= cfg.max_new_tokens
+        assert math.isclose(r["total_s"], r["prefill_s"] + r["decode_s"])
+        assert math.isclose(r["ms_per_token"], 1000 * r["decode_s"] / n)
+        assert math.isclose(r["tokens_per_call"], n / calls)
+        assert r["seed"] == rows.sample_seed(cfg.seed, r["id"])
+        assert r["config_hash"] == cfg.config_hash() and r["target"] == env["target"]
+        if r["mode"] == "autoregressive":
+            assert (r["k"], r["draft"], acc, r["draft_calls"]) == (0, "none", [], 0)
+            assert calls == n and math.isnan(r["acceptance_rate"])
+        else:
+            assert len(acc) == calls and all(0 <= a <= r["k"] for a in acc)
+            assert sum(acc[:-1]) + calls - 1 < n <= sum(acc) + calls
+            if n < cfg.max_new_tokens:
+                assert n == sum(acc) + calls
+            assert math.isclose(r["acceptance_rate"], sum(acc) / (r["k"] * calls))
+            assert r["draft_calls"] == (0 if r["draft"] == "ngram" else r["k"] * calls)
+
+
+def test_rows_carry_the_run_and_the_extra_columns(env):
+    done = read(env["out"], "completions").to_pylist()
+    assert len({r["run_id"] for r in done}) == 1
+    row = next(r for r in done if r["id"] == "good/2")
+    assert json.loads(row["extra"]) == {"level": 2} and row["dataset"] == "mixed"
+    assert next(r for r in done if r["id"] == "bin/ok")["prompt"] == "bytes are fine"
+
+
+def test_greedy_completions_equal_the_generator(env):
+    """The pipeline (batches of 2, three settings in one job) must produce exactly what
+    the library produces for each prompt on its own with the same seed."""
+    from specsamp import load_generator
+
+    cfg = env["cfg"]
+    done = read(env["out"], "completions").to_pylist()
+    for s in cfg.settings:
+        gen = load_generator(generator_spec(cfg, s))
+        mine = sorted((r for r in done if r["k"] == s.k and r["draft"] == s.draft), key=lambda r: r["id"])
+        for r in mine:
+            [c] = gen.generate([r["prompt"]], [r["seed"]])
+            assert (r["completion"], r["completion_token_ids"]) == (c.text, list(c.token_ids)), (s, r["id"])
+
+
+def test_output_is_readable_by_duckdb(env):
+    import duckdb
+
+    out = env["out"]
+    [(n, modes)] = duckdb.sql(f"select count(*), count(distinct mode) from '{out}/completions-*.parquet'").fetchall()
+    assert (n, modes) == (env["summary"].completions, 2)
+    kinds = duckdb.sql(f"select error_kind, count(*) from '{out}/errors-*.parquet' group by 1").fetchall()
+    assert sum(c for _, c in kinds) == env["summary"].errors
+
+
+def test_rerun_resumes_without_duplicates(env, capsys):
+    """Same config and output: nothing to redo, no new file."""
+    before = files(env["out"], "completions") + files(env["out"], "errors")
+    summary = run(["--config", env["config"]], loader=FAILING_LOADER)
+    assert "nothing to do" in capsys.readouterr().err
+    assert files(env["out"], "completions") + files(env["out"], "errors") == before
+    assert summary.completions == env["summary"].completions
+
+
+def test_raised_limit_adds_only_the_new_prompts(env, tmp_path):
+    """A run with limit 3, then limit 5, into one folder: 5 prompts x 3 settings, each once."""
+    args = ["--config", env["config"], "--output", str(tmp_path), "--input", str(env["root"] / "prompts" / "mixed-0.parquet")]
+    run(args + ["--limit", "3"], loader=FAILING_LOADER)
+    first = read(str(tmp_path), "completions")
+    run(args + ["--limit", "5"], loader=FAILING_LOADER)
+    done = read(str(tmp_path), "completions").to_pylist()
+    keys = [(r["id"], r["draft"], r["k"]) for r in done]
+    assert len(first) == 9 and len(keys) == len(set(keys)) == 15
+    assert len({r["run_id"] for r in done}) == 2
+
+
+def test_graph_counts_and_counters(env):
+    """The job graph on a TestPipeline with assert_that, and the Beam counters."""
+    cfg = env["cfg"].with_overrides(output=str(env["root"] / "graph-out"))
+    plan = make_plan(cfg)
+    good = [i for i, kind in env["expected"].items() if kind is None]
+    bad = [(i, kind) for i, kind in env["expected"].items() if kind is not None]
+    p = BeamTestPipeline(runner="FnApiRunner")
+    completions, errors = build(p, plan, loader=FAILING_LOADER)
+    assert_that(completions | beam.Map(lambda r: (r["id"], r["k"])),
+                equal_to([(i, s.k) for i in good for s in cfg.settings]), label="CheckCompletions")
+    assert_that(errors | beam.Map(lambda r: (r["id"], r["error_kind"])),
+                equal_to([b for b in bad for _ in cfg.settings]), label="CheckErrors")
+    result = p.run()
+    counters = {}
+    for c in result.metrics().query(MetricsFilter().with_namespace("specsamp"))["counters"]:
+        counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
+    s = len(cfg.settings)
+    assert counters["prompts"] == len(env["expected"])
+    assert counters["samples"] == len(env["expected"]) * s
+    assert counters["errors"] == len(bad) * s and counters["completions"] == len(good) * s
+    assert counters["generated_tokens"] > 0 and 0 <= counters["accepted_tokens"] <= counters["drafted_tokens"]
+
+
+def test_cli_prints_tables_and_summary(env, tmp_path, capsys):
+    from specsamp.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["run", "--config", env["config"], "--output", str(out), "--limit", "2",
+                 "--input", str(env["root"] / "prompts" / "mixed-0.parquet")]) == 0
+    text = capsys.readouterr().out
+    assert f"{out}/completions-*.parquet  6 rows" in text and "errors-*.parquet  0 rows" in text
+    assert "autoregressive" in text and "speculative" in text and "ms/token" in text
+
+
+def test_two_processes_sharing_one_model_give_the_same_tables(env, tmp_path):
+    """DirectRunner with 2 worker processes and the model shared across them (Beam's
+    proxy, as on TPU hosts): the same rows as the in-process run, text for text."""
+    import yaml
+
+    with open(env["config"]) as f:
+        cfg = yaml.safe_load(f)
+    cfg.update(output=str(tmp_path / "out"), workers={"share_model_across_processes": True, "model_copies": 1})
+    config = tmp_path / "shared.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run(["--config", str(config), "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
+        loader=FAILING_LOADER)
+
+    def table(out, name, cols):
+        return sorted(tuple(r[c] for c in cols) for r in read(out, name).to_pylist())
+
+    cols = ["id", "draft", "k", "completion", "completion_token_ids", "accepted_per_loop"]
+    assert table(str(tmp_path / "out"), "completions", cols) == table(env["out"], "completions", cols)
+    cols = ["id", "draft", "k", "error_kind"]
+    assert table(str(tmp_path / "out"), "errors", cols) == table(env["out"], "errors", cols)

@@ -1,0 +1,198 @@
+"""`specsamp report`: figures checked against numpy on synthetic tables with the real schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas import COMPLETIONS
+from specsamp import cli, outputs, report
+from specsamp.errors import UserError
+from tests.synthetic_tables import completion_row, error_row, random_rows, write, write_errors
+
+
+def _summarize(paths, by=report.DEFAULT_BY):
+    return report.summarize(outputs.connect(outputs.resolve([str(p) for p in paths])), by)
+
+
+def _by_key(groups):
+    return {(g.key["mode"], g.key["k"]): g for g in groups}
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """AR baseline, K=4 (with one zero-token row), and a K=2 group of a single sample."""
+    rng = np.random.default_rng(7)
+    ar = [completion_row(i, mode="autoregressive", tokens=int(rng.integers(5, 40)),
+                         decode_s=float(rng.uniform(0.5, 2.0))) for i in range(30)]
+    spec = random_rows(rng, 40, k=4)
+    spec.append(completion_row(99, k=4, accepted=[], tokens=0, decode_s=0.0))  # ms/token NaN
+    single = [completion_row(0, k=2, accepted=[2, 1, 0], decode_s=0.7)]
+    write(tmp_path / "completions-0.parquet", ar + spec[:20])
+    write(tmp_path / "completions-1.parquet", spec[20:] + single)
+    return tmp_path, ar, spec, single
+
+
+def _expect_summary(values, s: report.Summary):
+    v = np.array([x for x in values if np.isfinite(x)])
+    assert s.n == len(v)
+    assert s.mean == pytest.approx(v.mean(), rel=1e-12)
+    assert s.sd == pytest.approx(v.std(ddof=1), rel=1e-9)
+    for q, got in zip((10, 50, 90, 99), (s.p10, s.p50, s.p90, s.p99)):
+        assert got == pytest.approx(np.percentile(v, q), rel=1e-12)
+
+
+def test_group_figures_match_numpy(sweep):
+    """Catches wrong aggregates: mean/sd/percentiles, token sums, NaN rows leaking into means."""
+    path, ar, spec, _ = sweep
+    groups = _by_key(_summarize([path]))
+    for rows, g in ((ar, groups[("autoregressive", 0)]), (spec, groups[("speculative", 4)])):
+        assert g.samples == len(rows)
+        assert g.tokens == sum(r["generated_tokens"] for r in rows)
+        _expect_summary([r["total_s"] for r in rows], g.total_s)
+        _expect_summary([r["ms_per_token"] for r in rows], g.ms_per_token)
+        calls = sum(r["target_calls"] for r in rows)
+        assert g.tokens_per_call == pytest.approx(g.tokens / calls)
+    assert groups[("autoregressive", 0)].acceptance_rate is None
+
+
+def test_acceptance_figures_match_loops(sweep):
+    """Catches acceptance averaged per sample instead of per token, off-by-one positions."""
+    path, _, spec, _ = sweep
+    g = _by_key(_summarize([path]))[("speculative", 4)]
+    loops = np.array([a for r in spec for a in r["accepted_per_loop"]])
+    assert g.acceptance_rate == pytest.approx(loops.sum() / (4 * len(loops)))
+    assert g.alpha == pytest.approx(loops.sum() / (loops.sum() + (loops < 4).sum()))
+    assert g.acceptance_by_position == pytest.approx([(loops >= i).mean() for i in range(1, 5)])
+    assert g.accepted_histogram == {a: int((loops == a).sum()) for a in range(5) if (loops == a).any()}
+
+
+def test_speedup_and_prediction(sweep):
+    """Speed-up is baseline mean / group mean; prediction uses alpha, K and mean c."""
+    path, ar, spec, _ = sweep
+    g = _by_key(_summarize([path]))[("speculative", 4)]
+    base = np.mean([r["ms_per_token"] for r in ar])
+    own = np.nanmean([r["ms_per_token"] for r in spec])
+    assert g.speedup.measured == pytest.approx(base / own)
+    assert g.speedup.low < g.speedup.measured < g.speedup.high
+    a, c = g.alpha, 0.1
+    assert g.predicted_speedup == pytest.approx((1 - a**5) / ((1 - a) * (4 * c + 1)))
+
+
+def test_single_sample_group(sweep):
+    """A group of one: sd and intervals n/a, percentiles = the value, no crash when printed."""
+    path, _, _, single = sweep
+    groups = _summarize([path])
+    g = _by_key(groups)[("speculative", 2)]
+    assert g.samples == 1 and g.total_s.sd is None and g.ms_per_token.sd is None
+    assert g.ms_per_token.p99 == pytest.approx(single[0]["ms_per_token"])
+    assert g.speedup.low is None and g.speedup.high is None
+    assert g.acceptance_by_position == [2 / 3, 1 / 3]
+    text = report.render(groups)
+    assert "n/a" in text and "speculative" in text
+    json.dumps(report.to_json(groups))
+
+
+def test_predicted_speedup_known_values():
+    """Hand-worked cost-model values (alpha = 0.8, K = 4, c = 0.1: 0.67232 / 0.28)."""
+    assert report.predicted_speedup(0.8, 4, 0.1) == pytest.approx(0.67232 / 0.28)
+    assert report.predicted_speedup(1.0, 3, 0.5) == pytest.approx(4 / 2.5)
+    assert report.predicted_speedup(0.3, 1, 0.3) == pytest.approx(1.0)  # gain needs alpha > c
+    assert report.predicted_speedup(None, 4, 0.1) is None
+
+
+def test_ratio_interval_covers_true_ratio():
+    """The delta-method interval covers the true ratio of means about 95% of the time."""
+    rng = np.random.default_rng(0)
+    trials = 600
+    # E[lognormal(mu, s)] = e^(mu + s^2/2), so the true ratio of means is:
+    true = 2.0 * math.exp(0.3**2 / 2 - 0.5**2 / 2)
+    hits = 0
+    for _ in range(trials):
+        b = rng.lognormal(np.log(30), 0.3, 40)
+        s = rng.lognormal(np.log(15), 0.5, 60)
+        summ = [report.Summary(len(x), x.mean(), x.std(ddof=1), *([None] * 4)) for x in (b, s)]
+        low, high = report.ratio_ci(*summ)
+        hits += low <= true <= high
+    assert 0.92 <= hits / trials <= 0.98
+
+
+def test_error_rows_counted_per_group(tmp_path):
+    """Error tables beside the completions are counted per group, including all-failed groups."""
+    write(tmp_path / "completions-0.parquet",
+          [completion_row(i, k=4) for i in range(3)] + [completion_row(9, mode="autoregressive")])
+    write_errors(tmp_path / "errors-0.parquet",
+                 [error_row(0, k=4), error_row(1, k=4, kind="empty_prompt"), error_row(2, k=4),
+                  error_row(3, k=3, kind="generation_failed")])
+    groups = _by_key(_summarize([tmp_path / "completions-0.parquet"]))
+    assert groups[("speculative", 4)].errors == {"too_long": 2, "empty_prompt": 1}
+    assert groups[("speculative", 3)].samples == 0
+    assert groups[("speculative", 3)].errors == {"generation_failed": 1}
+    assert groups[("autoregressive", 0)].errors == {}
+    text = report.render(list(groups.values()))
+    assert "generation_failed 1" in text and "too_long 2" in text
+
+
+def test_older_schema_version_refused(tmp_path, capsys):
+    """A table written by another schema version is refused with one line naming the version."""
+    table = pa.Table.from_pylist([completion_row(0)], schema=COMPLETIONS)
+    old = table.replace_schema_metadata({b"specsamp.schema_version": b"0"})
+    pq.write_table(old, tmp_path / "completions-old.parquet")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "schema version 0" in err
+
+
+def test_missing_column_refused(tmp_path):
+    table = pa.Table.from_pylist([completion_row(0)], schema=COMPLETIONS).drop_columns(["ms_per_token"])
+    pq.write_table(table, tmp_path / "completions-0.parquet")
+    with pytest.raises(UserError, match="missing column 'ms_per_token'"):
+        outputs.resolve([str(tmp_path)])
+
+
+def test_no_tables_and_bad_keys(tmp_path):
+    with pytest.raises(UserError, match="no completion tables"):
+        outputs.resolve([str(tmp_path)])
+    with pytest.raises(UserError, match="does not exist"):
+        outputs.resolve([str(tmp_path / "nope.parquet")])
+    with pytest.raises(UserError, match="unknown key"):
+        report.parse_by("dataset,colour")
+
+
+def test_remote_tables_read_through_fsspec(sweep):
+    """gs:// goes through fsspec into Arrow; memory:// exercises the same path offline."""
+    path, *_ = sweep
+    fs = fsspec.filesystem("memory")
+    for name in ("completions-0.parquet", "completions-1.parquet"):
+        fs.pipe(f"/bucket/run/{name}", (path / name).read_bytes())
+    remote = _summarize(["memory://bucket/run"])
+    local = _summarize([path])
+    flat_remote, flat_local = _flatten(report.to_json(remote)), _flatten(report.to_json(local))
+    assert flat_remote.keys() == flat_local.keys()
+    for name, value in flat_local.items():  # equal up to summation order
+        assert flat_remote[name] == (pytest.approx(value) if isinstance(value, float) else value), name
+
+
+def _flatten(x, prefix=""):
+    if isinstance(x, dict):
+        return {k: v for key, val in x.items() for k, v in _flatten(val, f"{prefix}.{key}").items()}
+    if isinstance(x, list):
+        return {k: v for i, val in enumerate(x) for k, v in _flatten(val, f"{prefix}[{i}]").items()}
+    return {prefix: x}
+
+
+def test_cli_json_and_plots(sweep, tmp_path_factory, capsys):
+    path, *_ = sweep
+    out = tmp_path_factory.mktemp("plots")
+    assert cli.main(["report", str(path), "--json", "--plot", str(out), "--by", "dataset,mode,k"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {d["key"]["k"] for d in data} == {0, 2, 4}
+    for name in ("ms_per_token_vs_k.png", "accepted_per_loop.png", "acceptance_by_position.png"):
+        blob = (out / name).read_bytes()
+        assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 10_000

@@ -1,0 +1,110 @@
+"""Run configs: shipped examples load; every mistake is one UserError naming the problem."""
+
+import dataclasses
+import os
+
+import pytest
+
+from specsamp import runconfig
+from specsamp.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = {"input": "p.parquet", "output": "out", "settings": [{"draft": "none"}, {"draft": "ngram", "k": 4}]}
+
+
+def make(**changes):
+    return runconfig.from_dict({**BASE, **changes}, where="test.yaml")
+
+
+RUN_CONFIGS = ("humaneval", "xsum", "ksweep", "dataflow_tpu")  # configs/ also holds other tools' files
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_shipped_configs_load(name):
+    """Catches a shipped example that no longer validates."""
+    cfg = runconfig.load(os.path.join(ROOT, "configs", f"{name}.yaml"))
+    assert cfg.settings and cfg.max_new_tokens >= 1
+
+
+def test_ksweep_is_baseline_plus_k_1_to_8():
+    cfg = runconfig.load(os.path.join(ROOT, "configs", "ksweep.yaml"))
+    assert [(s.mode, s.k) for s in cfg.settings] == [("autoregressive", 0)] + [("speculative", k) for k in range(1, 9)]
+    assert cfg.target is None or cfg.target == "smollm2"
+
+
+def test_readme_config_is_small_and_runs_both_modes():
+    """The README's main command must finish in minutes on 2 CPU cores."""
+    cfg = runconfig.load(os.path.join(ROOT, "configs", "humaneval.yaml"))
+    assert {s.mode for s in cfg.settings} == {"speculative", "autoregressive"}
+    assert cfg.limit is not None and cfg.limit <= 20 and cfg.max_new_tokens <= 128
+    assert cfg.builtin_input == "humaneval"
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"unknown_key": 1}, "unknown_key"),
+    ({"settings": []}, "settings"),
+    ({"settings": [{"draft": "ngram", "k": 0}]}, "K"),
+    ({"settings": [{"draft": "ngram", "k": 40}]}, "32"),
+    ({"settings": [{"draft": "none", "k": 3}]}, "baseline"),
+    ({"settings": [{"draft": "ngram", "k": 4}, {"draft": "ngram", "k": [4]}]}, "twice"),
+    ({"settings": [{"draft": "/no/such/draft", "k": 4}]}, "does not exist"),
+    ({"settings": [{"draft": "early-exit", "k": 4}]}, "layer count"),
+    ({"settings": [{"draft": "ngram", "kk": 4}]}, "setting"),
+    ({"sampling": {"temperature": -1}}, "temperature"),
+    ({"sampling": {"top_p": 0}}, "top-p"),
+    ({"sampling": {"temp": 1}}, "sampling"),
+    ({"limit": 0}, "limit"),
+    ({"max_new_tokens": "many"}, "max_new_tokens"),
+    ({"batch_size": True}, "batch_size"),
+    ({"chat": "yes"}, "chat"),
+    ({"stop": [""]}, "stop"),
+    ({"input": "builtin:nope"}, "builtin"),
+    ({"target": "/no/such/model"}, "does not exist"),
+    ({"workers": {"model_copies": 0}}, "model_copies"),
+    ({"workers": {"gpus": 1}}, "workers"),
+])
+def test_mistakes_are_user_errors(changes, words):
+    with pytest.raises(UserError, match=words):
+        make(**changes)
+
+
+def test_missing_required_key():
+    with pytest.raises(UserError, match="output"):
+        runconfig.from_dict({"input": "x", "settings": [{"draft": "none"}]})
+
+
+def test_k_list_expands_and_defaults():
+    cfg = make(settings=[{"draft": "ngram", "k": [1, 3]}, {"draft": "early-exit:2"}, {"draft": "ngram:4", "k": 2}])
+    assert [(s.draft, s.k) for s in cfg.settings] == [("ngram", 1), ("ngram", 3), ("early-exit:2", 4), ("ngram:4", 2)]
+
+
+def test_hash_covers_what_changes_samples_only():
+    """Resume relies on this: same samples -> same hash; output/limit/input do not count."""
+    a = make()
+    assert a.config_hash() == make().config_hash()
+    assert a.config_hash() == make(output="elsewhere", limit=3, input="q.parquet", batch_size=4).config_hash()
+    for changes in ({"seed": 1}, {"max_new_tokens": 64}, {"sampling": {"temperature": 1.0}},
+                    {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."}):
+        assert make(**changes).config_hash() != a.config_hash(), changes
+    assert make(target="smollm2").config_hash() == a.config_hash()  # the default, spelled out
+
+
+def test_frozen_and_overrides_revalidate():
+    cfg = make()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.limit = 3
+    assert cfg.with_overrides(limit=5, output=None).limit == 5
+    with pytest.raises(UserError, match="limit"):
+        cfg.with_overrides(limit=0)
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        runconfig.load(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("input: [unclosed\n")
+    with pytest.raises(UserError, match="YAML"):
+        runconfig.load(str(bad))
+    bad.write_text("- just a list\n")
+    with pytest.raises(UserError, match="mapping"):
+        runconfig.load(str(bad))
