@@ -26,12 +26,19 @@ COMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as one line (argparse's default prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specsamp",
         description="Exact speculative sampling for batch generation (JAX + Apache Beam).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"specsamp.commands.{name}")

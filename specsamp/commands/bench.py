@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from specsamp.commands.common import print_json, status
 from specsamp.errors import UserError
 
@@ -11,7 +13,7 @@ def _list(kind):
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
-            raise UserError(f"expected a comma-separated list, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
     return parse
 
 

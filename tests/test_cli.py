@@ -1,0 +1,66 @@
+"""User mistakes give one clear line on stderr and exit status 2, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from specsamp.testing import make_tiny_checkpoint
+
+CASES = [
+    (["generate", "--prompt", "hi", "--k", "0"], "K (draft tokens per loop) must be"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top-p must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--target", "/no/such/model"], "/no/such/model"),
+    (["generate", "--prompt", "hi", "--draft", "early-exit:x"], "early exit needs a layer count"),
+    (["bench", "--k", "2,x"], "comma-separated list"),
+]
+
+
+def _cli(args, tmp_path):
+    env = {"SPECSAMP_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "specsamp.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", CASES)
+def test_bad_arguments_are_one_line(args, message, tmp_path):
+    out = _cli(args, tmp_path)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr
+
+
+def test_vocab_mismatch_is_one_line(tmp_path):
+    """A draft with another vocabulary is refused before any work starts."""
+    import json
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    draft = make_tiny_checkpoint(str(tmp_path / "draft"), n_layers=1)
+    tok = json.loads((tmp_path / "draft" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, different tokens
+    (tmp_path / "draft" / "tokenizer.json").write_text(json.dumps(tok))
+    out = _cli(["generate", "--prompt", "hi", "--target", target, "--draft", draft], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "vocab" in errors[0].lower(), out.stderr
+
+
+def test_generate_json_on_tiny_model(tmp_path):
+    import json
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    out = _cli(["generate", "--prompt", "the quick", "--target", target, "--draft", "early-exit:1",
+                "--max-new-tokens", "8", "--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    for key in ["text", "token_ids", "generated_tokens", "target_calls", "draft_calls",
+                "accepted_per_loop", "acceptance_rate", "tokens_per_call", "prefill_s",
+                "decode_s", "ms_per_token", "stop_reason"]:
+        assert key in obj
+    assert obj["generated_tokens"] == len(obj["token_ids"]) <= 8
+    assert obj["draft_calls"] == obj["k"] * obj["target_calls"]
