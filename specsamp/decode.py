@@ -49,6 +49,7 @@ def new_state(
         max_len=prompt_len.astype(jnp.int32) + max_new,
         keys=jax.vmap(jax.random.PRNGKey)(seeds),
         stop_reason=jnp.full((b,), RUNNING, jnp.int32),
+        calls=jnp.zeros((b,), jnp.int32),
         loops=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
@@ -84,15 +85,29 @@ def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_id
     x = jax.vmap(sample)(round_keys(state), q)
     ones = jnp.ones_like(t)
     state = state.replace(target_cache=cache)
-    return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids)
+    return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids, drafted=False)
 
 
 def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids):
-    k = prog.k
     keys = round_keys(state)
     draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
+    draft, p, draft_cache, found = prog.drafter.propose(draft_params, state, draft_keys)
+    if found is None:
+        return _score(prog, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids)
+    # A drafter that may have nothing to propose (n-gram lookup without a match): when no
+    # running row has a proposal, a plain step is cheaper than scoring K+1 tokens.
+    return jax.lax.cond(
+        jnp.any(found & (state.stop_reason == RUNNING)),
+        lambda s: _score(prog, target_params, s, keys, draft, p, draft_cache, eos_ids, stop_ids),
+        lambda s: _ar_round(prog, target_params, s, eos_ids, stop_ids),
+        state,
+    )
+
+
+def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids):
+    """Score [current, draft] with the target in one call and apply the rejection rule."""
+    k = prog.k
     accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
-    draft, p, draft_cache = prog.drafter.propose(draft_params, state, draft_keys)
 
     t = state.current
     block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]

@@ -6,7 +6,8 @@
 - `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
   proposes what followed. Deterministic, so p is a point mass (one-hot).
 
-`propose(params, state, keys) -> (draft [B, K] int32, p [B, K, V] float32, draft_cache)`.
+`propose(params, state, keys) -> (draft [B, K] int32, p [B, K, V] float32, draft_cache, found)`,
+where found [B] bool says which rows have a real proposal (None: always).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class ModelDrafter:
         last_tok, last_probs = draw(logits, self.k - 1)
         draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
         p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
-        return draft, p, cache
+        return draft, p, cache, None
 
     @property
     def calls_per_round(self) -> int:
@@ -73,6 +74,7 @@ class NgramDrafter:
     k: int
     vocab_size: int
     max_ngram: int = 3
+    min_ngram: int = 1
 
     @property
     def uses_cache(self) -> bool:
@@ -84,16 +86,17 @@ class NgramDrafter:
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
-        draft = jax.vmap(self._lookup)(state.tokens, state.current)
-        return draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32), None
+        draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
+        return draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32), None, found
 
-    def _lookup(self, row: jax.Array, t: jax.Array) -> jax.Array:
-        """row [S], current index t -> K proposed tokens (the longest n-gram match wins,
-        then the latest occurrence; with no match, repeat the current token)."""
+    def _lookup(self, row: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """row [S], current index t -> (K proposed tokens, whether a match was found).
+        The longest n-gram match wins, then the latest occurrence; with no match the
+        proposal repeats the current token (still exact, only wasted)."""
         slots = row.shape[0]
         idx = jnp.arange(slots)
         best_end = jnp.full((), -1)
-        for n in range(1, self.max_ngram + 1):  # later (longer) matches override shorter
+        for n in range(self.min_ngram, self.max_ngram + 1):  # longer matches override shorter
             match = (idx >= n - 1) & (idx < t) & (t >= n - 1)
             for j in range(n):
                 match &= jnp.roll(row, j)[idx] == row[jnp.maximum(t - j, 0)]
@@ -102,4 +105,5 @@ class NgramDrafter:
         follow = best_end + 1 + jnp.arange(self.k)
         follow = jnp.minimum(follow, t)  # never read past the known tokens
         proposal = row[follow]
-        return jnp.where(best_end >= 0, proposal, jnp.full((self.k,), row[t]))
+        found = best_end >= 0
+        return jnp.where(found, proposal, jnp.full((self.k,), row[t])), found

@@ -45,7 +45,8 @@ class RawSample:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     stop_reason: str
-    loops: int
+    calls: int  # target calls
+    loops: int  # speculative rounds (calls that scored a draft)
     accepted: tuple[int, ...]
     prefill_s: float
     decode_s: float
@@ -150,21 +151,23 @@ class Engine:
 
     def _collect(self, state, lens, prefill_s, decode_s) -> list[RawSample]:
         tokens, length = np.asarray(state.tokens), np.asarray(state.length)
-        loops, accepted = np.asarray(state.loops), np.asarray(state.accepted)
+        calls, loops = np.asarray(state.calls), np.asarray(state.loops)
+        accepted = np.asarray(state.accepted)
         reason = np.asarray(state.stop_reason)
-        busiest = max(int(loops.max()), 1)
+        busiest = max(int(calls.max()), 1)
         b = len(lens)
         return [
             RawSample(
                 token_ids=tuple(int(x) for x in tokens[i, lens[i] : length[i]]),
                 prompt_tokens=int(lens[i]),
                 stop_reason=STOP_REASONS[int(reason[i])],
+                calls=int(calls[i]),
                 loops=int(loops[i]),
                 accepted=tuple(int(x) for x in accepted[i, : loops[i]]) if self.prog.k else (),
                 # Latency as the row saw it: the batch's prefill, then decoding until the
                 # row's last round (rounds of a batch take equal time).
                 prefill_s=prefill_s,
-                decode_s=decode_s * int(loops[i]) / busiest,
+                decode_s=decode_s * int(calls[i]) / busiest,
             )
             for i in range(b)
         ]

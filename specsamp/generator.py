@@ -177,7 +177,7 @@ class Generator:
         draft_calls = raw.loops * (self.drafter.calls_per_round if self.drafter else 0)
         return Completion(
             text=text, token_ids=tuple(ids), prompt_tokens=raw.prompt_tokens,
-            stop_reason=reason, mode=self.mode, target_calls=raw.loops,
+            stop_reason=reason, mode=self.mode, target_calls=raw.calls,
             draft_calls=draft_calls, accepted_per_loop=raw.accepted,
             prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
         )

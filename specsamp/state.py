@@ -28,8 +28,9 @@ class DecodeState:
     max_len: jax.Array  # [B] int32: prompt_len + max_new_tokens
     keys: jax.Array  # [B, 2] uint32: each row's own key (from its seed)
     stop_reason: jax.Array  # [B] int32, RUNNING until the row is done
-    loops: jax.Array  # [B] int32: target calls (rounds) while the row was running
-    accepted: jax.Array  # [B, R] int32: accepted draft tokens in each round
+    calls: jax.Array  # [B] int32: target calls while the row was running
+    loops: jax.Array  # [B] int32: speculative rounds (target calls that scored a draft)
+    accepted: jax.Array  # [B, R] int32: accepted draft tokens in each speculative round
     target_cache: KVCache
     draft_cache: KVCache | None = None
 
@@ -56,13 +57,14 @@ def gather_window(tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:
 
 def commit(
     state: DecodeState, new: jax.Array, count: jax.Array, n_accepted: jax.Array,
-    eos_ids: jax.Array, stop_ids: jax.Array,
+    eos_ids: jax.Array, stop_ids: jax.Array, drafted: bool = True,
 ) -> DecodeState:
     """Append new[b, :count[b]] to each running row, cut after an EOS or stop id (which is
     kept) or at max_len.
 
     new: [B, W] candidate tokens (entries at or beyond count are ignored);
-    count: [B] tokens the round produced (1..W); n_accepted: [B] draft tokens kept.
+    count: [B] tokens the round produced (1..W); n_accepted: [B] draft tokens kept;
+    drafted: whether the round scored a draft (static; else it is a plain step).
     """
     width = new.shape[1]
     j = jnp.arange(width)[None, :]
@@ -84,14 +86,16 @@ def commit(
     stop_kind = jnp.where(stopped_on_eos, EOS, STOP)
     reason = jnp.where(hit_stop, stop_kind, jnp.where(length >= state.max_len, MAX_TOKENS, RUNNING))
     reason = jnp.where(running, reason, state.stop_reason)
+    state = state.replace(
+        tokens=jnp.where(running[:, None], tokens, state.tokens),
+        length=length,
+        stop_reason=reason,
+        calls=state.calls + running.astype(jnp.int32),
+    )
+    if not drafted:
+        return state
     rows = jnp.arange(new.shape[0])
     accepted = state.accepted.at[rows, state.loops].set(
         jnp.where(running, n_accepted, state.accepted[rows, state.loops]), mode="drop"
     )
-    return state.replace(
-        tokens=jnp.where(running[:, None], tokens, state.tokens),
-        length=length,
-        stop_reason=reason,
-        loops=state.loops + running.astype(jnp.int32),
-        accepted=accepted,
-    )
+    return state.replace(loops=state.loops + running.astype(jnp.int32), accepted=accepted)
