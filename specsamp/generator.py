@@ -37,6 +37,7 @@ class GeneratorSpec:
     chat: bool = False
     system: str | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
 
     def __post_init__(self):
@@ -45,6 +46,7 @@ class GeneratorSpec:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise UserError(f"batch size must be an integer >= 1, got {self.batch_size!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         parse_draft(self.draft)
 
     @property
@@ -158,7 +160,7 @@ class Generator:
     def _generate_batch(self, prompts, seeds) -> list[Completion]:
         ids = [self.encode_prompt(p) for p in prompts]
         stop_check = self._stop_check if self.spec.stop else None
-        raws = self.engine.run(ids, seeds, should_stop=stop_check)
+        raws = self.engine.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check)
         return [self._to_completion(r) for r in raws]
 
     def _stop_check(self, row: int, generated: list[int]) -> bool:
@@ -167,7 +169,8 @@ class Generator:
 
     def _to_completion(self, raw) -> Completion:
         ids = list(raw.token_ids)
-        body = ids[:-1] if raw.stop_reason == "eos" else ids
+        ends = set(self.tokenizer.eos_ids) | set(self.spec.stop_token_ids)
+        body = ids[:-1] if raw.stop_reason in ("eos", "stop") and ids and ids[-1] in ends else ids
         text = self.tokenizer.decode(body)
         reason = raw.stop_reason
         cut = min((text.find(s) for s in self.spec.stop if s in text), default=-1)

@@ -13,6 +13,8 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[],
+                   help="stop token id besides the model's EOS (repeatable)")
     add_model_args(p, draft_default="ngram")
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -24,7 +26,8 @@ def run(args) -> int:
 
     from specsamp.generator import load_generator
 
-    spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop))
+    spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop),
+                     stop_token_ids=tuple(args.stop_token_id))
     t0 = time.perf_counter()
     if not args.json:
         status(f"loading {spec.target or 'smollm2 (embedded default)'} with drafter {spec.draft} ...")
