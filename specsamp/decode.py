@@ -36,7 +36,7 @@ class Program:
 
 def new_state(
     prog: Program, prompts: jax.Array, prompt_len: jax.Array, max_new: int, seeds: jax.Array,
-    slots: int, draft_cfg: ModelConfig | None,
+    slots: int, draft_cfg: ModelConfig | None, feature_dim: int = 0,
 ) -> DecodeState:
     """prompts [B, P] (right-padded), prompt_len [B] >= 1, seeds [B] uint32."""
     b, p = prompts.shape
@@ -54,24 +54,27 @@ def new_state(
         accepted=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
         draft_cache=draft_cache,
+        features=jnp.zeros((b, slots, feature_dim), jnp.float32) if feature_dim else None,
     )
 
 
-def _prefill_one(cfg: ModelConfig, params, tokens, cache):
-    """Feed tokens [B, P] at positions 0..P-1 (all but each row's current token; entries
-    past that are padding, written to slots that later writes overwrite)."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    _, cache = Transformer(cfg).apply({"params": params}, tokens, positions, cache, head=False)
-    return cache
+def prefill_positions(tokens: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
 @jax.jit(static_argnames=("prog", "width"))
 def prefill(prog: Program, target_params, draft_params, state: DecodeState, width: int):
+    """Feed tokens [B, width] at positions 0..width-1: all but each row's current token;
+    entries past that are padding, written to slots that later writes overwrite."""
     tokens = state.tokens[:, :width]
-    state = state.replace(target_cache=_prefill_one(prog.target, target_params, tokens, state.target_cache))
+    hidden, cache = Transformer(prog.target).apply(
+        {"params": target_params}, tokens, prefill_positions(tokens), state.target_cache, head=False
+    )
+    state = state.replace(target_cache=cache)
+    if state.features is not None:
+        state = state.replace(features=state.features.at[:, :width].set(hidden))
     if state.draft_cache is not None:
-        cfg = prog.drafter.cfg
-        state = state.replace(draft_cache=_prefill_one(cfg, draft_params, tokens, state.draft_cache))
+        state = state.replace(draft_cache=prog.drafter.prefill(draft_params, tokens, state))
     return state
 
 
@@ -112,9 +115,13 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
     t = state.current
     block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]
     positions = t[:, None] + jnp.arange(k + 1)[None, :]
-    logits, cache = Transformer(prog.target).apply(
-        {"params": target_params}, block, positions, state.target_cache
-    )
+    target = Transformer(prog.target)
+    hidden, cache = target.apply({"params": target_params}, block, positions, state.target_cache,
+                                 head=False)
+    logits = target.apply({"params": target_params}, hidden, method=Transformer.logits)
+    if state.features is not None:  # the target's features, for a feature-conditioned draft
+        state = state.replace(features=jax.vmap(
+            lambda f, h, s: jax.lax.dynamic_update_slice(f, h, (s, 0)))(state.features, hidden, t))
     q = probs_from_logits(logits, prog.sampling)
     n, x = accept_batch(accept_keys, draft, p, q)
 

@@ -3,6 +3,8 @@
 - `ModelDrafter`: a separate draft model (the paper's setting) or the target's first L
   layers (early exit); tokens drawn from probs_from_logits of the draft's logits, the same
   transform as the target's.
+- `FeatureDrafter`: one layer fed the token embedding and the target's hidden state at the
+  previous position (EAGLE-style); chains K tokens on its own predicted features.
 - `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
   proposes what followed. Deterministic, so p is a point mass (one-hot).
 
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer
+from specsamp.models.feature_draft import FeatureDraft
 from specsamp.sampling import probs_from_logits, sample
 from specsamp.state import DecodeState, gather_window
 
@@ -30,9 +33,17 @@ class ModelDrafter:
     sampling: SamplingParams
     kind: str = "model"  # 'model' or 'early-exit' (only for names and statistics)
 
+    needs_features = False
+
     @property
     def uses_cache(self) -> bool:
         return True
+
+    def prefill(self, params, tokens, state: DecodeState):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        _, cache = Transformer(self.cfg).apply(
+            {"params": params}, tokens, positions, state.draft_cache, head=False)
+        return cache
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         model = Transformer(self.cfg)
@@ -45,10 +56,7 @@ class ModelDrafter:
         logits, cache = model.apply({"params": params}, pair, positions, state.draft_cache)
         logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
 
-        def draw(logits, i):
-            probs = probs_from_logits(logits, self.sampling)
-            step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-            return jax.vmap(sample)(step_keys, probs), probs
+        draw = _drawer(self.sampling, keys)
 
         def step(carry, i):
             cache, logits = carry
@@ -69,12 +77,86 @@ class ModelDrafter:
         return self.k
 
 
+def _drawer(sampling: SamplingParams, keys: jax.Array):
+    """draw(logits [B, V], i) -> (token [B], probs [B, V]): the i-th draft token of each row."""
+
+    def draw(logits, i):
+        probs = probs_from_logits(logits, sampling)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+        return jax.vmap(sample)(step_keys, probs), probs
+
+    return draw
+
+
+def _shifted_features(features: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """For positions start..start+width-1 of each row, the target's feature at the
+    previous position (zeros before position 0). features [B, S, D] -> [B, width, D]."""
+    padded = jnp.pad(features, ((0, 0), (1, 0), (0, 0)))  # padded[j] = features[j - 1]
+    return jax.vmap(lambda f, s: jax.lax.dynamic_slice(f, (s, 0), (width, f.shape[1])))(padded, start)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter:
+    cfg: ModelConfig  # the target's config with the draft's layer count
+    k: int
+    sampling: SamplingParams
+    kind: str = "feature"
+    needs_features = True
+
+    @property
+    def uses_cache(self) -> bool:
+        return True
+
+    @property
+    def calls_per_round(self) -> int:
+        return self.k
+
+    def prefill(self, params, tokens, state: DecodeState):
+        start = jnp.zeros((tokens.shape[0],), jnp.int32)
+        feats = _shifted_features(state.features, start, tokens.shape[1])
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        _, cache = FeatureDraft(self.cfg).apply(
+            {"params": params}, tokens, feats, positions, state.draft_cache)
+        return cache
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        model = FeatureDraft(self.cfg)
+        t = state.current
+        # First call: the window of K+1 positions ending at t, with the target's true
+        # features. It (re)writes every position accepted since the last round with true
+        # features, replacing the draft's own guesses from that round.
+        start = jnp.maximum(t - self.k, 0)
+        width = self.k + 1
+        tokens = gather_window(state.tokens, start, width)
+        feats = _shifted_features(state.features, start, width)
+        positions = start[:, None] + jnp.arange(width)[None, :]
+        g, cache = model.apply({"params": params}, tokens, feats, positions, state.draft_cache)
+        g = jnp.take_along_axis(g, (t - start)[:, None, None], axis=1)  # [B, 1, D]
+        draw = _drawer(self.sampling, keys)
+
+        def head(g):
+            return model.apply({"params": params}, g, method=FeatureDraft.logits)[:, 0]
+
+        def step(carry, i):
+            cache, g = carry
+            tok, probs = draw(head(g), i)
+            g, cache = model.apply({"params": params}, tok[:, None], g, (t + 1 + i)[:, None], cache)
+            return (cache, g), (tok, probs)
+
+        (cache, g), (toks, probs) = jax.lax.scan(step, (cache, g), jnp.arange(self.k - 1))
+        last_tok, last_probs = draw(head(g), self.k - 1)
+        draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
+        p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
+        return draft, p, cache, None
+
+
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
     k: int
     vocab_size: int
     max_ngram: int = 3
     min_ngram: int = 1
+    needs_features = False
 
     @property
     def uses_cache(self) -> bool:

@@ -112,6 +112,7 @@ class Engine:
         state = new_state(
             self.prog, jnp.asarray(padded), jnp.asarray(lens), self.max_new_tokens,
             jnp.asarray(seeds_arr), self._slots(bucket), draft_cfg,
+            feature_dim=self.prog.target.d_model if getattr(drafter, "needs_features", False) else 0,
         )
         eos = jnp.asarray(np.array(self.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))

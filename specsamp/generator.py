@@ -16,7 +16,7 @@ import jax
 
 from specsamp.config import SamplingParams, check_k, check_max_new_tokens
 from specsamp.decode import Program
-from specsamp.drafters import ModelDrafter, NgramDrafter
+from specsamp.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from specsamp.engine import Engine, enable_compilation_cache
 from specsamp.errors import UserError
 from specsamp.results import Completion
@@ -82,6 +82,7 @@ class Generator:
 
     def __init__(self, spec: GeneratorSpec):
         from specsamp.loading import check_same_vocab, load_model
+        from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
 
         enable_compilation_cache()
         self.spec = spec
@@ -97,6 +98,9 @@ class Generator:
                 raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
             drafter = ModelDrafter(cfg.truncated(arg), k, sp, kind="early-exit")
             draft_params = _slice_layers(self.target.params, arg)
+        elif kind == "model" and is_feature_draft(arg):
+            draft_cfg, draft_params = load_feature_draft(arg, self.target)
+            drafter = FeatureDrafter(draft_cfg, k, sp)
         elif kind == "model":
             draft = load_model(arg)
             check_same_vocab(self.target, draft)

@@ -33,6 +33,7 @@ class DecodeState:
     accepted: jax.Array  # [B, R] int32: accepted draft tokens in each speculative round
     target_cache: KVCache
     draft_cache: KVCache | None = None
+    features: jax.Array | None = None  # [B, S, D]: the target's final hidden state per position
 
     @property
     def done(self) -> jax.Array:

@@ -15,7 +15,7 @@ from scipy import stats
 
 from specsamp.config import SamplingParams
 from specsamp.decode import Program
-from specsamp.drafters import ModelDrafter, NgramDrafter
+from specsamp.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from specsamp.engine import Engine
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -53,6 +53,9 @@ def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
         drafter, draft_params = ModelDrafter(tiny.TARGET.truncated(1), k, sp), tiny.early_exit_params(1)
     elif drafter_kind == "ngram":
         drafter = NgramDrafter(k, tiny.TARGET.vocab_size)
+    elif drafter_kind == "feature":
+        cfg, draft_params = tiny.feature_draft()
+        drafter = FeatureDrafter(cfg, k, sp)
     return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
 
@@ -89,6 +92,8 @@ CASES = [
     ("model", 2, 1.2, 0, 0.8),
     ("early-exit", 2, 1.0, 3, 0.9),
     ("ngram", 2, 1.0, 0, 1.0),
+    ("feature", 2, 1.0, 0, 1.0),
+    ("feature", 3, 0.9, 5, 0.9),
     ("ngram", 3, 0.8, 0, 0.95),
 ]
 
@@ -109,7 +114,8 @@ def test_the_statistical_check_has_power():
     assert chi_square_pvalue(counts, exact_joint(SamplingParams(1.0))) < ALPHA
 
 
-@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2), ("ngram", 5)])
+@pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2),
+                                       ("ngram", 5), ("feature", 1), ("feature", 4)])
 def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
     sp = SamplingParams(0.0)
     prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]

@@ -26,3 +26,16 @@ def draft_params():
 def early_exit_params(n_layers=1):
     p = target_params()
     return {**p, "layers": jax.tree.map(lambda a: a[:n_layers], p["layers"])}
+
+
+@functools.cache
+def feature_draft():
+    """(cfg, params) of a 1-layer feature-conditioned draft on TARGET, with a random `fc`
+    so that both halves of its input matter."""
+    import jax.numpy as jnp
+
+    from specsamp.models.feature_draft import init_feature_draft
+
+    cfg, params = init_feature_draft(TARGET, target_params(), n_layers=1, init_layer=1)
+    fc = jax.random.normal(jax.random.PRNGKey(5), params["fc"]["kernel"].shape) * 0.3
+    return cfg, {**params, "fc": {"kernel": params["fc"]["kernel"] + fc.astype(jnp.float32)}}

@@ -1,0 +1,158 @@
+"""A feature-conditioned draft (EAGLE-style, Li et al. 2024): one decoder layer of the
+target's width fed [token embedding; the target's final hidden state at the previous
+position], reading the target's own embedding and head.
+
+At position j the draft takes (x_j, h_{j-1}), where h is the target's final-normed hidden
+state (what its head reads), and returns g_j, its guess of h_j; head(g_j) is the draft's
+distribution of x_{j+1}. While chaining K draft tokens it feeds its own g in place of h.
+Drafting may depend on anything already computed, so the rejection rule stays exact.
+
+Parameters: `fc` (2D -> D), `layers` (one stacked block, as in `Transformer`), `final_norm`;
+`embed` (and `lm_head` if the target's head is untied) are the target's, borrowed at load.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from specsamp.models.llama import Block, KVCache, ModelConfig, RMSNorm, rope_tables
+
+BORROWED = ("embed", "lm_head")
+
+
+class FeatureDraft(nn.Module):
+    """`__call__(tokens [B,T], features [B,T,D], positions, cache) -> (g [B,T,D], cache)`;
+    `logits(g) -> [B,T,V]` with the target's head."""
+
+    cfg: ModelConfig  # the target's config with n_layers = the draft's layers
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+        self.fc = nn.Dense(cfg.d_model, use_bias=False, name="fc")
+        self.layers = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+        )(cfg, name="layers")
+        self.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+
+    def __call__(self, tokens, features, positions, cache: KVCache):
+        x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
+        return self.final_norm(x), KVCache(k=k, v=v)
+
+    def logits(self, g):
+        if self.cfg.tie_embeddings:
+            return self.embed.attend(g).astype(jnp.float32)
+        return self.lm_head(g).astype(jnp.float32)
+
+
+def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1,
+                       seed: int = 0, init_layer: int | None = 0):
+    """Draft parameters: borrowed embedding/head, `fc` as [identity on the embedding half;
+    zero] (so the untrained draft starts as the target's layer `init_layer` on tokens)."""
+    import jax
+
+    cfg = target_cfg.truncated(n_layers)
+    d = cfg.d_model
+    model = FeatureDraft(cfg)
+    from specsamp.models.llama import init_cache
+
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    params = model.init(jax.random.PRNGKey(seed), tokens, jnp.zeros((1, 2, d)),
+                        jnp.arange(2)[None], init_cache(cfg, 1, 4))["params"]
+    params = dict(params)
+    for name in BORROWED:
+        if name in target_params:
+            params[name] = target_params[name]
+    params["fc"] = {"kernel": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)}
+    if init_layer is not None:
+        idx = jnp.arange(init_layer, init_layer + n_layers)
+        params["layers"] = jax.tree.map(lambda a: a[idx], target_params["layers"])
+        params["final_norm"] = target_params["final_norm"]
+    return cfg, params
+
+
+# ---- on disk: a folder with specsamp_draft.json and model.safetensors (own weights only,
+# float16), borrowing the target's embedding and head at load time.
+
+MANIFEST = "specsamp_draft.json"
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _unflatten(flat):
+    tree = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def save_feature_draft(folder: str, cfg: ModelConfig, params, target_fingerprint: str,
+                       extra: dict | None = None) -> None:
+    import json
+    import os
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    own = {k: v for k, v in params.items() if k not in BORROWED}
+    flat = {k: np.asarray(v, np.float16) for k, v in _flatten(own).items()}
+    save_file(flat, os.path.join(folder, "model.safetensors"))
+    manifest = {"kind": "feature", "n_layers": cfg.n_layers, "d_model": cfg.d_model,
+                "vocab_size": cfg.vocab_size, "target_fingerprint": target_fingerprint,
+                **(extra or {})}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2)
+
+
+def is_feature_draft(path: str) -> bool:
+    from specsamp.loading import fs
+
+    return fs.kind_of(path.rstrip("/") + "/" + MANIFEST) == "file"
+
+
+def load_feature_draft(path: str, target):
+    """(cfg, params) of the feature draft at `path` (local or gs://) for LoadedModel `target`."""
+    import json
+
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from specsamp.errors import UserError
+    from specsamp.loading import fs
+
+    base = path.rstrip("/")
+    with open(fs.local_file(f"{base}/{MANIFEST}")) as f:
+        manifest = json.load(f)
+    tc = target.cfg
+    if manifest.get("target_fingerprint") != target.tokenizer.fingerprint or (
+        manifest.get("d_model") != tc.d_model or manifest.get("vocab_size") != tc.vocab_size
+    ):
+        raise UserError(f"feature draft {path} was trained for another target "
+                        f"(width {manifest.get('d_model')}, vocab {manifest.get('vocab_size')}); "
+                        f"this target has width {tc.d_model}, vocab {tc.vocab_size}")
+    flat = load_file(fs.local_file(f"{base}/model.safetensors"))
+    params = _unflatten({k: jnp.asarray(v, jnp.float32) for k, v in flat.items()})
+    for name in BORROWED:
+        if name in target.params:
+            params[name] = target.params[name]
+    return tc.truncated(int(manifest["n_layers"])), params
