@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer
-from specsamp.models.feature_draft import FeatureDraft
+from specsamp.models.feature_draft import FeatureDraft, draft_logits, module_params
 from specsamp.sampling import probs_from_logits, sample
 from specsamp.state import DecodeState, gather_window
 
@@ -116,11 +116,12 @@ class FeatureDrafter:
         feats = _shifted_features(state.features, start, tokens.shape[1])
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         _, cache = FeatureDraft(self.cfg).apply(
-            {"params": params}, tokens, feats, positions, state.draft_cache)
+            {"params": module_params(params)}, tokens, feats, positions, state.draft_cache)
         return cache
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         model = FeatureDraft(self.cfg)
+        own = {"params": module_params(params)}
         t = state.current
         # First call: the window of K+1 positions ending at t, with the target's true
         # features. It (re)writes every position accepted since the last round with true
@@ -130,17 +131,17 @@ class FeatureDrafter:
         tokens = gather_window(state.tokens, start, width)
         feats = _shifted_features(state.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
-        g, cache = model.apply({"params": params}, tokens, feats, positions, state.draft_cache)
+        g, cache = model.apply(own, tokens, feats, positions, state.draft_cache)
         g = jnp.take_along_axis(g, (t - start)[:, None, None], axis=1)  # [B, 1, D]
         draw = _drawer(self.sampling, keys)
 
         def head(g):
-            return model.apply({"params": params}, g, method=FeatureDraft.logits)[:, 0]
+            return draft_logits(self.cfg, params, g)[:, 0]
 
         def step(carry, i):
             cache, g = carry
             tok, probs = draw(head(g), i)
-            g, cache = model.apply({"params": params}, tok[:, None], g, (t + 1 + i)[:, None], cache)
+            g, cache = model.apply(own, tok[:, None], g, (t + 1 + i)[:, None], cache)
             return (cache, g), (tok, probs)
 
         (cache, g), (toks, probs) = jax.lax.scan(step, (cache, g), jnp.arange(self.k - 1))

@@ -53,8 +53,9 @@ def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
         drafter, draft_params = ModelDrafter(tiny.TARGET.truncated(1), k, sp), tiny.early_exit_params(1)
     elif drafter_kind == "ngram":
         drafter = NgramDrafter(k, tiny.TARGET.vocab_size)
-    elif drafter_kind == "feature":
-        cfg, draft_params = tiny.feature_draft()
+    elif drafter_kind.startswith("feature"):
+        make = tiny.feature_draft_reduced if drafter_kind == "feature-reduced" else tiny.feature_draft
+        cfg, draft_params = make()
         drafter = FeatureDrafter(cfg, k, sp)
     return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
@@ -94,6 +95,7 @@ CASES = [
     ("ngram", 2, 1.0, 0, 1.0),
     ("feature", 2, 1.0, 0, 1.0),
     ("feature", 3, 0.9, 5, 0.9),
+    ("feature-reduced", 3, 1.0, 0, 1.0),
     ("ngram", 3, 0.8, 0, 0.95),
 ]
 
@@ -115,7 +117,8 @@ def test_the_statistical_check_has_power():
 
 
 @pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2),
-                                       ("ngram", 5), ("feature", 1), ("feature", 4)])
+                                       ("ngram", 5), ("feature", 1), ("feature", 4),
+                                       ("feature-reduced", 3)])
 def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
     sp = SamplingParams(0.0)
     prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]

@@ -39,3 +39,12 @@ def feature_draft():
     cfg, params = init_feature_draft(TARGET, target_params(), n_layers=1, init_layer=1)
     fc = jax.random.normal(jax.random.PRNGKey(5), params["fc"]["kernel"].shape) * 0.3
     return cfg, {**params, "fc": {"kernel": params["fc"]["kernel"] + fc.astype(jnp.float32)}}
+
+
+@functools.cache
+def feature_draft_reduced():
+    """The same draft with a reduced head over 5 of the 8 tokens."""
+    from specsamp.models.feature_draft import reduced_head
+
+    cfg, params = feature_draft()
+    return cfg, {**params, **reduced_head(TARGET, target_params(), [0, 2, 3, 5, 6])}

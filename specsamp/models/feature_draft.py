@@ -9,6 +9,10 @@ Drafting may depend on anything already computed, so the rejection rule stays ex
 
 Parameters: `fc` (2D -> D), `layers` (one stacked block, as in `Transformer`), `final_norm`;
 `embed` (and `lm_head` if the target's head is untied) are the target's, borrowed at load.
+Optionally a reduced head: `head_ids` [N] int32 names the only tokens the draft can propose
+(its probability is zero elsewhere; the residual (q - p)+ covers the rest, so sampling stays
+exact) and `head.kernel` [D, N] holds the target's head rows for them (borrowed at load).
+A step then reads N head rows instead of V: most of a one-layer draft's cost.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax.numpy as jnp
 
 from specsamp.models.llama import Block, KVCache, ModelConfig, RMSNorm, rope_tables
 
-BORROWED = ("embed", "lm_head")
+BORROWED = ("embed", "lm_head", "head")
 
 
 class FeatureDraft(nn.Module):
@@ -52,6 +56,31 @@ class FeatureDraft(nn.Module):
         if self.cfg.tie_embeddings:
             return self.embed.attend(g).astype(jnp.float32)
         return self.lm_head(g).astype(jnp.float32)
+
+
+def module_params(params):
+    """The parameters FeatureDraft itself declares (without the reduced head)."""
+    return {k: v for k, v in params.items() if k not in ("head", "head_ids")}
+
+
+def draft_logits(cfg: ModelConfig, params, g):
+    """Logits [..., V] of the draft: the target's full head, or the reduced head scattered
+    into V with a very low logit (probability exactly 0 after softmax) elsewhere."""
+    if "head_ids" not in params:
+        return FeatureDraft(cfg).apply({"params": module_params(params)}, g, method=FeatureDraft.logits)
+    sub = jnp.einsum("...d,dn->...n", g, params["head"]["kernel"]).astype(jnp.float32)
+    full = jnp.full(g.shape[:-1] + (cfg.vocab_size,), -1e30, jnp.float32)
+    return full.at[..., params["head_ids"]].set(sub)
+
+
+def reduced_head(target_cfg: ModelConfig, target_params, head_ids):
+    """{'head_ids', 'head'} for the given token ids, from the target's head rows."""
+    ids = jnp.asarray(head_ids, jnp.int32)
+    if target_cfg.tie_embeddings:
+        kernel = target_params["embed"]["embedding"][ids].T
+    else:
+        kernel = target_params["lm_head"]["kernel"][:, ids]
+    return {"head_ids": ids, "head": {"kernel": kernel}}
 
 
 def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1,
@@ -115,7 +144,8 @@ def save_feature_draft(folder: str, cfg: ModelConfig, params, target_fingerprint
 
     os.makedirs(folder, exist_ok=True)
     own = {k: v for k, v in params.items() if k not in BORROWED}
-    flat = {k: np.asarray(v, np.float16) for k, v in _flatten(own).items()}
+    flat = {k: np.asarray(v, np.int32 if k == "head_ids" else np.float16)
+            for k, v in _flatten(own).items()}
     save_file(flat, os.path.join(folder, "model.safetensors"))
     manifest = {"kind": "feature", "n_layers": cfg.n_layers, "d_model": cfg.d_model,
                 "vocab_size": cfg.vocab_size, "target_fingerprint": target_fingerprint,
@@ -151,8 +181,11 @@ def load_feature_draft(path: str, target):
                         f"(width {manifest.get('d_model')}, vocab {manifest.get('vocab_size')}); "
                         f"this target has width {tc.d_model}, vocab {tc.vocab_size}")
     flat = load_file(fs.local_file(f"{base}/model.safetensors"))
-    params = _unflatten({k: jnp.asarray(v, jnp.float32) for k, v in flat.items()})
+    params = _unflatten({k: jnp.asarray(v, jnp.int32 if k == "head_ids" else jnp.float32)
+                         for k, v in flat.items()})
     for name in BORROWED:
         if name in target.params:
             params[name] = target.params[name]
+    if "head_ids" in params:
+        params.update(reduced_head(tc, target.params, params["head_ids"]))
     return tc.truncated(int(manifest["n_layers"])), params
