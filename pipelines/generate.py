@@ -26,7 +26,7 @@ from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions
                                                   StandardOptions, TestOptions)
 
 from pipelines import rows
-from pipelines.handler import DEFAULT_LOADER, NAMESPACE, GeneratorHandler
+from pipelines.handler import DEFAULT_LOADER, NAMESPACE, GeneratorHandler, count_row
 from pipelines.plan import Plan, make_plan, resolve_input
 from pipelines.summary import Summary, summarize
 from schemas import COMPLETIONS, ERRORS
@@ -50,7 +50,7 @@ def run(argv: list[str] | None = None, test_pipeline=None, loader: str = DEFAULT
     print(_intro(plan, dry_run), file=sys.stderr)
     if plan.todo == 0 and not dry_run:
         return summarize(cfg.output, this_run=0)
-    p = test_pipeline or _pipeline(options)
+    p = _off_prism(test_pipeline) if test_pipeline else _pipeline(options)
     write(*build(p, plan, loader), plan)
     _run_to_end(p)
     return None if dry_run else summarize(cfg.output, this_run=plan.todo)
@@ -96,6 +96,16 @@ def _run_to_end(p: beam.Pipeline) -> None:
         raise
 
 
+def _off_prism(p: beam.Pipeline) -> beam.Pipeline:
+    """A TestPipeline left on the default DirectRunner would try to download Prism."""
+    from apache_beam.runners.direct.direct_runner import SwitchingDirectRunner
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    if isinstance(p.runner, SwitchingDirectRunner):
+        p.runner = FnApiRunner()
+    return p
+
+
 def _pipeline(options: PipelineOptions) -> beam.Pipeline:
     try:
         return beam.Pipeline(options=options)
@@ -136,9 +146,7 @@ def _expand(row: dict, cfg, info, wanted):
         if tag == "example":
             yield value
         else:
-            Metrics.counter(NAMESPACE, "samples").inc()
-            Metrics.counter(NAMESPACE, "errors").inc()
-            Metrics.counter(NAMESPACE, f"errors_{value['error_kind']}").inc()
+            count_row("error", value)
             yield beam.pvalue.TaggedOutput("error", value)
 
 

@@ -76,9 +76,12 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
 
     def __init__(self, cfg: RunConfig, info: RunInfo, total: int = 0, loader: str = DEFAULT_LOADER):
         w = cfg.workers
-        # A fixed batch size: the engine compiles one program per batch shape, and Beam's
-        # adaptive batching would otherwise try sizes between min and max.
-        super().__init__(min_batch_size=cfg.batch_size, max_batch_size=cfg.batch_size,
+        # Each prompt arrives once per setting, one after the other, and a generate call
+        # takes one setting: so Beam batches batch_size x settings elements, which split
+        # into ~batch_size prompts per setting. Fixed, not adaptive: the engine compiles one
+        # program per batch shape.
+        n = cfg.batch_size * len(cfg.settings)
+        super().__init__(min_batch_size=n, max_batch_size=n,
                          large_model=w.share_model_across_processes,
                          model_copies=w.model_copies if w.share_model_across_processes else None)
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
@@ -116,7 +119,7 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
             else:
                 out[i] = ("completion", rows.completion_row(self._info, ex, result, device, ratio))
         for tag, row in out:
-            _count(tag, row)
+            count_row(tag, row)
         _progress(self._info.run_id, self._total).update(out)
         return out
 
@@ -149,7 +152,8 @@ def _length_problem(model: Generators, key: str, ex: Example) -> tuple[str, str]
     return None
 
 
-def _count(tag: str, row: dict) -> None:
+def count_row(tag: str, row: dict) -> None:
+    """Beam counters for one output row ("completion" or "error")."""
     Metrics.counter(NAMESPACE, "samples").inc()
     if tag == "error":
         Metrics.counter(NAMESPACE, "errors").inc()

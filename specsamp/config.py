@@ -54,3 +54,33 @@ def check_max_new_tokens(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise UserError(f"max-new-tokens must be an integer >= 1, got {n!r}")
     return n
+
+
+def parse_draft(draft: str) -> tuple[str, object]:
+    """'none' | 'ngram[:N]' | 'early-exit:L' | path -> (kind, argument)."""
+    if not isinstance(draft, str) or not draft:
+        raise UserError(f"draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
+    if draft == "none":
+        return "none", None
+    if draft == "ngram" or draft.startswith("ngram:"):
+        n = draft.partition(":")[2] or "3"
+        if not n.isdigit() or not 1 <= int(n) <= 8:
+            raise UserError(f"ngram size must be 1..8, got {draft!r}")
+        return "ngram", int(n)
+    if draft.startswith("early-exit"):
+        layers = draft.partition(":")[2]
+        if not layers.isdigit() or int(layers) < 1:
+            raise UserError(f"early exit needs a layer count, e.g. early-exit:2, got {draft!r}")
+        return "early-exit", int(layers)
+    return "model", draft
+
+
+def seed_for(base_seed: int, prompt_id: str) -> int:
+    """A sample's seed from the run's seed and the prompt id: reproducible wherever and in
+    whatever batch the prompt runs."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+

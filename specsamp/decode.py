@@ -98,16 +98,20 @@ def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, 
     if found is None:
         return _score(prog, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids)
     # A drafter that may have nothing to propose (n-gram lookup without a match): when no
-    # running row has a proposal, a plain step is cheaper than scoring K+1 tokens.
+    # running row has a proposal, a plain step is cheaper than scoring K+1 tokens. In a
+    # scored round, rows without a proposal take exactly the plain step too (same key, same
+    # token), so a sample and its statistics never depend on its batch-mates.
     return jax.lax.cond(
         jnp.any(found & (state.stop_reason == RUNNING)),
-        lambda s: _score(prog, target_params, s, keys, draft, p, draft_cache, eos_ids, stop_ids),
+        lambda s: _score(prog, target_params, s, keys, draft, p, draft_cache, eos_ids, stop_ids,
+                         found),
         lambda s: _ar_round(prog, target_params, s, eos_ids, stop_ids),
         state,
     )
 
 
-def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids):
+def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids,
+           found=None):
     """Score [current, draft] with the target in one call and apply the rejection rule."""
     k = prog.k
     accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
@@ -124,11 +128,15 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
             lambda f, h, s: jax.lax.dynamic_update_slice(f, h, (s, 0)))(state.features, hidden, t))
     q = probs_from_logits(logits, prog.sampling)
     n, x = accept_batch(accept_keys, draft, p, q)
+    if found is not None:
+        n = jnp.where(found, n, 0)
+        x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it
 
     draft_pad = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
     new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])
     state = state.replace(target_cache=cache, draft_cache=draft_cache)
-    return commit(state, new, n + 1, n, eos_ids, stop_ids)
+    return commit(state, new, n + 1, n, eos_ids, stop_ids,
+                  drafted=True if found is None else found)
 
 
 @jax.jit(static_argnames=("prog",), donate_argnames=("state",))

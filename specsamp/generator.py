@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import platform
-import time
+import threading
 from typing import Callable, Sequence
 
 import jax
 
-from specsamp.config import SamplingParams, check_k, check_max_new_tokens
+from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
 from specsamp.decode import Program
 from specsamp.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
 from specsamp.engine import Engine, enable_compilation_cache
@@ -54,23 +54,20 @@ class GeneratorSpec:
         return "autoregressive" if self.draft == "none" else "speculative"
 
 
-def parse_draft(draft: str) -> tuple[str, object]:
-    """'none' | 'ngram[:N]' | 'early-exit:L' | path -> (kind, argument)."""
-    if not isinstance(draft, str) or not draft:
-        raise UserError(f"draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
-    if draft == "none":
-        return "none", None
-    if draft == "ngram" or draft.startswith("ngram:"):
-        n = draft.partition(":")[2] or "3"
-        if not n.isdigit() or not 1 <= int(n) <= 8:
-            raise UserError(f"ngram size must be 1..8, got {draft!r}")
-        return "ngram", int(n)
-    if draft.startswith("early-exit"):
-        layers = draft.partition(":")[2]
-        if not layers.isdigit() or int(layers) < 1:
-            raise UserError(f"early exit needs a layer count, e.g. early-exit:2, got {draft!r}")
-        return "early-exit", int(layers)
-    return "model", draft
+_MODELS: dict = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def load_model_once(spec: str | None):
+    """load_model, once per process: generators of several settings (a K sweep) share one
+    copy of the weights, which are never modified."""
+    from specsamp.loading import DEFAULT_MODEL, load_model
+
+    key = spec or DEFAULT_MODEL
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = load_model(spec)
+        return _MODELS[key]
 
 
 def _slice_layers(params, n_layers: int):
@@ -81,12 +78,12 @@ class Generator:
     """A target (and drafter) loaded once, ready to generate for text prompts."""
 
     def __init__(self, spec: GeneratorSpec):
-        from specsamp.loading import check_same_vocab, load_model
+        from specsamp.loading import check_same_vocab
         from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
 
         enable_compilation_cache()
         self.spec = spec
-        self.target = load_model(spec.target)
+        self.target = load_model_once(spec.target)
         self.tokenizer = self.target.tokenizer
         kind, arg = parse_draft(spec.draft)
         cfg, sp, k = self.target.cfg, spec.sampling, spec.k
@@ -102,7 +99,7 @@ class Generator:
             draft_cfg, draft_params = load_feature_draft(arg, self.target)
             drafter = FeatureDrafter(draft_cfg, k, sp)
         elif kind == "model":
-            draft = load_model(arg)
+            draft = load_model_once(arg)
             check_same_vocab(self.target, draft)
             drafter = ModelDrafter(draft.cfg, k, sp)
             draft_params = draft.params
@@ -202,14 +199,3 @@ class Generator:
 
 def load_generator(spec: GeneratorSpec) -> Generator:
     return Generator(spec)
-
-
-def seed_for(base_seed: int, prompt_id: str) -> int:
-    """A sample's seed from the run's seed and the prompt id: reproducible wherever and in
-    whatever batch the prompt runs."""
-    import hashlib
-
-    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-

@@ -16,14 +16,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 
-from specsamp.config import SamplingParams, check_k
+from specsamp.config import SamplingParams, check_k, parse_draft
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
-_EARLY_EXIT = re.compile(r"early-exit:(\d+)$")
-_NGRAM = re.compile(r"ngram(:[1-8])?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +170,9 @@ def _check_setting(draft, k, where: str) -> Setting:
         if k not in (0, None):
             raise UserError(f"{where}: the baseline (draft: none) takes no K, got k={k!r}")
         return Setting("none", 0)
-    m = _EARLY_EXIT.match(draft)
-    if draft.startswith("early-exit") and (not m or int(m.group(1)) < 1):
-        raise UserError(f"{where}: early-exit drafter needs a layer count, e.g. 'early-exit:4'")
-    if not m and not _NGRAM.match(draft):
-        _check_path(draft, "draft", where)
     try:
+        if parse_draft(draft)[0] == "model":
+            _check_path(draft, "draft", where)
         return Setting(draft, check_k(k))
     except UserError as e:
         raise UserError(f"{where}: {e}") from None

@@ -58,14 +58,15 @@ def gather_window(tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:
 
 def commit(
     state: DecodeState, new: jax.Array, count: jax.Array, n_accepted: jax.Array,
-    eos_ids: jax.Array, stop_ids: jax.Array, drafted: bool = True,
+    eos_ids: jax.Array, stop_ids: jax.Array, drafted: bool | jax.Array = True,
 ) -> DecodeState:
     """Append new[b, :count[b]] to each running row, cut after an EOS or stop id (which is
     kept) or at max_len.
 
     new: [B, W] candidate tokens (entries at or beyond count are ignored);
     count: [B] tokens the round produced (1..W); n_accepted: [B] draft tokens kept;
-    drafted: whether the round scored a draft (static; else it is a plain step).
+    drafted: whether the round scored a draft, for all rows (static bool) or per row ([B]);
+    a row that did not draft took a plain step and records no speculative round.
     """
     width = new.shape[1]
     j = jnp.arange(width)[None, :]
@@ -93,10 +94,11 @@ def commit(
         stop_reason=reason,
         calls=state.calls + running.astype(jnp.int32),
     )
-    if not drafted:
+    if drafted is False:
         return state
+    record = running & drafted
     rows = jnp.arange(new.shape[0])
     accepted = state.accepted.at[rows, state.loops].set(
-        jnp.where(running, n_accepted, state.accepted[rows, state.loops]), mode="drop"
+        jnp.where(record, n_accepted, state.accepted[rows, state.loops]), mode="drop"
     )
-    return state.replace(loops=state.loops + running.astype(jnp.int32), accepted=accepted)
+    return state.replace(loops=state.loops + record.astype(jnp.int32), accepted=accepted)

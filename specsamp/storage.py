@@ -43,7 +43,8 @@ def glob(pattern: str) -> list[str]:
 
 
 def ensure_dir(path: str) -> None:
-    """Create a local folder, or check that a bucket is reachable and writable."""
+    """Create a local folder, or check that the bucket exists and answers (write access
+    shows only when the job writes)."""
     fs, stripped = filesystem(path)
     try:
         if "://" in path:

@@ -201,10 +201,12 @@ def _write_gguf_metadata(writer, c: dict, folder: str) -> None:
     rope = c.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(c.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    writer.add_rope_dimension_count(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    writer.add_rope_dimension_count(c.get("head_dim")
+                                    or c["hidden_size"] // c["num_attention_heads"])
     tk = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     model = json.loads(tk.to_str())["model"]
-    tokens = [t for t, _ in sorted(tk.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])]
+    vocab = tk.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens)

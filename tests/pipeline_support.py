@@ -12,12 +12,15 @@ import yaml
 
 FAILING_LOADER = "tests.pipeline_support:failing_loader"
 
-# Good prompts, then rows that must each end in the error table (and why).
+# Prompt rows in file order, with the error kind each must end in (None: a completion).
+# Bad rows sit between good ones so that a batch of two holds a good and a bad prompt.
 GOOD = ["def add(a, b):", "the quick brown fox", "hello world", "for i in range(3):", "speculative sampling"]
-BAD = {"empty": ("", "empty_prompt"), "blank": ("  \n ", "empty_prompt"),
-       "long": ("zq" * 150, "too_long"), "boom": ("please BOOM now", "generation_failed"),
-       "null": (None, "bad_row")}
-BINARY = {"bin/ok": ("bytes are fine".encode(), None), "bin/bad": (b"\xff\xfe not utf-8", "bad_row")}
+ROWS = [("good/0", GOOD[0], None), ("boom", "please BOOM now", "generation_failed"),
+        ("good/1", GOOD[1], None), ("empty", "", "empty_prompt"),
+        ("good/2", GOOD[2], None), ("blank", "  \n ", "empty_prompt"),
+        ("good/3", GOOD[3], None), ("long", "zq" * 150, "too_long"),
+        ("good/4", GOOD[4], None), ("null", None, "bad_row")]
+BINARY = [("bin/ok", "bytes are fine".encode(), None), ("bin/bad", b"\xff\xfe not utf-8", "bad_row")]
 
 
 def tiny_models(root: str) -> tuple[str, str]:
@@ -30,16 +33,13 @@ def tiny_models(root: str) -> tuple[str, str]:
 def write_prompts(folder: str) -> dict[str, str | None]:
     """Two prompt files (string prompts; binary prompts); returns {id: expected error kind}."""
     os.makedirs(folder, exist_ok=True)
-    ids = [f"good/{i}" for i in range(len(GOOD))] + list(BAD)
-    texts = GOOD + [t for t, _ in BAD.values()]
-    pq.write_table(pa.table({"id": ids, "prompt": pa.array(texts, pa.string()),
+    ids, texts, kinds = zip(*ROWS)
+    pq.write_table(pa.table({"id": list(ids), "prompt": pa.array(texts, pa.string()),
                              "level": list(range(len(ids)))}), os.path.join(folder, "mixed-0.parquet"))
-    pq.write_table(pa.table({"id": list(BINARY), "prompt": pa.array([b for b, _ in BINARY.values()], pa.binary())}),
+    bids, blobs, bkinds = zip(*BINARY)
+    pq.write_table(pa.table({"id": list(bids), "prompt": pa.array(blobs, pa.binary())}),
                    os.path.join(folder, "mixed-1.parquet"))
-    expected = {i: None for i in ids[: len(GOOD)]}
-    expected.update({i: kind for i, (_, kind) in BAD.items()})
-    expected.update({i: kind for i, (_, kind) in BINARY.items()})
-    return expected
+    return dict(zip(ids + bids, kinds + bkinds))
 
 
 def write_config(path: str, target: str, draft: str, **changes) -> str:

@@ -132,12 +132,18 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
         assert len(s.accepted) == s.loops <= s.calls
 
 
-def test_sample_depends_only_on_its_seed_not_its_batch():
+@pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
+def test_sample_depends_only_on_its_seed_not_its_batch(drafter):
+    """Tokens and statistics of a row are the same alone and among other rows (n-gram: a
+    batch-mate with a match must not change a row that has none, and vice versa)."""
     sp = SamplingParams(1.0, 0, 0.9)
-    engine = make_engine(sp, "model", 3, max_new=12)
-    alone = engine.run([PROMPT], [42])[0]
-    batched = engine.run([[5, 4], PROMPT, [7, 7, 7]], [1, 42, 3])[1]
-    assert alone.token_ids == batched.token_ids
+    engine = make_engine(sp, drafter, 3, max_new=12)
+    prompts, seeds = [[5, 4], PROMPT, [7, 6, 5, 4, 3], [1, 2, 1, 2, 1, 2]], [1, 42, 3, 9]
+    batched = engine.run(prompts, seeds)
+    for prompt, seed, together in zip(prompts, seeds, batched):
+        alone = engine.run([prompt], [seed])[0]
+        assert alone.token_ids == together.token_ids
+        assert (alone.accepted, alone.calls) == (together.accepted, together.calls)
 
 
 def test_rows_stop_independently_on_eos():

@@ -78,6 +78,30 @@ def test_gguf_without_unpermute_differs(tmp_path, cache, monkeypatch):
     assert np.abs(right - wrong).max() > 0.1
 
 
+def test_sharded_bfloat16_folder(tmp_path, cache):
+    """Shards listed in model.safetensors.index.json, stored as bfloat16, load as float32."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    folder = make_tiny_checkpoint(str(tmp_path / "hf"), seed=6, tied=False)
+    full = load_model(folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k].astype(ml_dtypes.bfloat16) for k in keys},
+                  os.path.join(folder, shard))
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    half = load_model(folder)
+    for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(half.params)):
+        assert b.dtype == jnp.float32
+        np.testing.assert_allclose(b, a, rtol=1e-2, atol=1e-6)
+
+
 def test_unpermute_inverts_llama_cpp_permute():
     rng = np.random.default_rng(0)
     for n_heads, rows, cols in [(4, 64, 10), (3, 192, 5), (2, 32, 0)]:
@@ -215,7 +239,7 @@ def test_unsupported_gguf_tensor_type(tmp_path, cache):
 def gcs(monkeypatch, cache):
     """A fake GCS server on a free local port, with gcsfs pointed at it anonymously."""
     import fsspec.config
-    import gcsfs
+    from fsspec.registry import _registry
     from gcp_storage_emulator.server import create_server
 
     with socket.socket() as s:
@@ -225,12 +249,19 @@ def gcs(monkeypatch, cache):
     server.start()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import gcsfs.core
+
+    # gcsfs picks its class when first imported: if that happened before the variable above
+    # was set, "gs://" maps to the class that probes for hierarchical namespaces, which an
+    # emulator never answers. Use the plain class whatever the import order.
+    for protocol in ("gs", "gcs"):
+        monkeypatch.setitem(_registry, protocol, gcsfs.core.GCSFileSystem)
     monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon"})
-    gcsfs.GCSFileSystem.clear_instance_cache()
-    fs = gcsfs.GCSFileSystem(token="anon")
+    gcsfs.core.GCSFileSystem.clear_instance_cache()
+    fs = gcsfs.core.GCSFileSystem(token="anon")
     fs.mkdir("models")
     yield fs
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    gcsfs.core.GCSFileSystem.clear_instance_cache()
     server.stop()
 
 
@@ -262,8 +293,9 @@ def _reference():
 @pytest.mark.slow
 def test_smollm2_facts(smollm2):
     cfg, tok = smollm2.cfg, smollm2.tokenizer
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
-    assert (cfg.vocab_size, cfg.rope_theta, cfg.tie_embeddings, cfg.qkv_bias) == (49152, 1e5, True, False)
+    shape = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size)
+    assert shape == (30, 576, 9, 3, 64, 49152)
+    assert (cfg.rope_theta, cfg.tie_embeddings, cfg.qkv_bias) == (1e5, True, False)
     assert tok.bos_id == 1 and 2 in tok.eos_ids and tok.token_text(2) == "<|im_end|>"
     assert smollm2.name == "smollm2"
 

@@ -18,11 +18,13 @@ def register(sub) -> None:
     p.add_argument("--minutes", type=float, default=None,
                    help="wall-clock budget for this stage (data: stop adding shards; train: stop "
                         "and checkpoint); a later run resumes")
+    p.add_argument("--follow-data", action="store_true",
+                   help="reload the data after each evaluation (a data stage is running beside)")
     p.set_defaults(func=run)
     d = sub.add_parser("distill-data", help="only the data stage of `specsamp distill`")
     d.add_argument("--config", required=True)
     d.add_argument("--minutes", type=float, default=None)
-    d.set_defaults(func=run, stage="data")
+    d.set_defaults(func=run, stage="data", follow_data=False)
 
 
 def run(args) -> int:
@@ -52,6 +54,9 @@ def run(args) -> int:
     from specsamp.distill import draft as draft_mod
     from specsamp.distill import train as train_mod
 
+    def load_train():
+        return data_mod.concat(data_mod.load_shards(os.path.join(cfg.data.dir, "train")))
+
     shards = data_mod.load_shards(os.path.join(cfg.data.dir, "train"))
     held = data_mod.load_shards(os.path.join(cfg.data.dir, "heldout"))
     if not shards or not held:
@@ -72,7 +77,8 @@ def run(args) -> int:
                           extra={"config": args.config, "step": step, "heldout": result})
 
     result = train_mod.train(tcfg, dcfg, trainable, frozen, data, heldout, cfg.train_dir,
-                             log=log, on_eval=export)
+                             log=log, on_eval=export,
+                             refresh=load_train if args.follow_data else None)
     log(f"draft written to {cfg.draft_dir}")
     print(json.dumps({k: v for k, v in result.items()}))
     return 0

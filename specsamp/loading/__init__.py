@@ -19,13 +19,14 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from specsamp.errors import UserError
 from specsamp.loading import fs
-from specsamp.models.llama import ModelConfig
-from specsamp.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help` stays instant
+    from specsamp.models.llama import ModelConfig
+    from specsamp.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
 _CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are ignored
@@ -71,6 +72,7 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def _load_path(path: str):
+    path = path.removeprefix("file://")
     kind = fs.kind_of(path)
     if kind == "missing":
         raise UserError(f"no model at {path} (expected a .gguf file or a Hugging Face folder)")
@@ -113,6 +115,7 @@ def _load_gguf(path: str):
 
 
 def _write_converted(folder, cfg, flat, tokenizer, tok_meta: dict) -> None:
+    import numpy as np
     from safetensors.numpy import save_file
 
     tmp = tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.")
@@ -134,6 +137,7 @@ def _read_converted(folder):
     from safetensors.numpy import load_file
 
     from specsamp import tokenizer as tok
+    from specsamp.models.llama import ModelConfig
 
     with open(folder / "model.json", encoding="utf-8") as f:
         saved = json.load(f)
@@ -148,6 +152,7 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
     config disagrees with its weights is refused here rather than failing inside jit)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from specsamp.models.llama import Transformer, init_cache
 
@@ -158,7 +163,7 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
     want = {"/".join(k.key for k in path): leaf.shape
             for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
     got = {k: tuple(v.shape) for k, v in flat.items()}
-    if want != {k: tuple(v) for k, v in got.items()}:
+    if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))[:3]
         raise UserError(f"{name}: weights do not match the model its config describes: {diff}")
     tree: dict = {}

@@ -52,7 +52,10 @@ def read_hf(folder: str, with_tokenizer: bool = True):
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         tokenizer_json = f.read()
     template_path = os.path.join(folder, "chat_template.jinja")
-    template = open(template_path, encoding="utf-8").read() if os.path.exists(template_path) else None
+    template = None
+    if os.path.exists(template_path):
+        with open(template_path, encoding="utf-8") as f:
+            template = f.read()
     tokenizer = tok.from_hf_files(tokenizer_json, _read_json(folder, "tokenizer_config.json"),
                                   model_config, _read_json(folder, "generation_config.json"),
                                   chat_template=template)
@@ -62,10 +65,12 @@ def read_hf(folder: str, with_tokenizer: bool = True):
 def config_from_hf(c: dict) -> ModelConfig:
     arch = (c.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
-        raise UserError(f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        raise UserError(f"architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHITECTURES)})")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UserError(f"RoPE scaling {rope_type!r} is not supported")
     if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
         raise UserError("only SwiGLU (silu, no MLP bias) models are supported")
     n_heads = int(c["num_attention_heads"])
