@@ -125,6 +125,9 @@ def save_hf(folder: str, cfg: ModelConfig, params: dict, tokenizer, extra: dict 
         if extra:
             with open(os.path.join(tmp, "distill.json"), "w") as f:
                 json.dump(extra, f, indent=1)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a draft is for everyone to read
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(tmp, folder)
