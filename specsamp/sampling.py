@@ -34,12 +34,33 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return probs
 
 
+_NUCLEUS_FAST_K = 256
+
+
 def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
-    sorted_p = -jnp.sort(-probs, axis=-1)
-    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    # The smallest kept probability: the token whose inclusion reaches top_p. Keeping every
-    # token at least that likely keeps ties at the cut (as top-k does).
-    cut = jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    """Keep the most likely tokens until their mass reaches top_p.
+
+    A full sort of 49,152 probabilities costs ~8 ms per row on a CPU, more than a decode
+    step, so the cut is first looked for among the 256 largest (lax.top_k, ~0.15 ms per
+    row); only when some row's nucleus is wider does the whole array get sorted. Both
+    paths compute the same cut from the same sorted prefix: the result is identical.
+    """
+    v = probs.shape[-1]
+    fast_k = min(_NUCLEUS_FAST_K, v)
+
+    def cut_from(sorted_p):
+        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        # The smallest kept probability: the token whose inclusion reaches top_p. Keeping
+        # every token at least that likely keeps ties at the cut (as top-k does).
+        return jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+
+    top = jax.lax.top_k(probs, fast_k)[0]
+    covered = jnp.all(jnp.sum(top, axis=-1) >= top_p)
+    cut = jax.lax.cond(
+        covered | (fast_k == v),
+        lambda: cut_from(top),
+        lambda: cut_from(-jnp.sort(-probs, axis=-1)),
+    )
     kept = jnp.where(probs >= cut, probs, 0.0)
     return kept / jnp.sum(kept, axis=-1, keepdims=True)
 

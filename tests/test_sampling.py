@@ -66,3 +66,16 @@ def test_residual_is_positive_part_normalised_and_falls_back_to_q():
 def test_bad_settings_are_user_errors(kwargs):
     with pytest.raises(UserError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.5, 6.0])  # flat: nucleus wider than 256 tokens; peaky: narrower
+def test_nucleus_fast_and_full_paths_match_reference(scale):
+    """Over 256 tokens the nucleus cut is looked for in the top 256 first; a wide nucleus
+    falls back to a full sort. Both must give the reference's distribution."""
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(3, 1000)) * scale).astype(np.float32)
+    got = np.asarray(probs_from_logits(jnp.asarray(logits), SamplingParams(1.0, 0, 0.9)))
+    kept = (got > 0).sum(axis=-1)
+    assert (kept > 256).all() if scale < 1 else (kept < 256).all()
+    for row, out in zip(logits, got):
+        np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)

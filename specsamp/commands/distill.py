@@ -50,6 +50,8 @@ def run(args) -> int:
         data_mod.build(cfg.data, target, log=log, deadline=deadline)
     if args.stage == "data":
         return 0
+    if cfg.architecture == "feature":
+        return _train_feature(cfg, target, args, log)
 
     from specsamp.distill import draft as draft_mod
     from specsamp.distill import train as train_mod
@@ -81,4 +83,19 @@ def run(args) -> int:
                              refresh=load_train if args.follow_data else None)
     log(f"draft written to {cfg.draft_dir}")
     print(json.dumps({k: v for k, v in result.items()}))
+    return 0
+
+
+def _train_feature(cfg, target, args, log) -> int:
+    import dataclasses
+    import json
+
+    from specsamp.distill.feature import train_feature_draft
+
+    tc = cfg.feature
+    if args.minutes:
+        tc = dataclasses.replace(tc, max_minutes=args.minutes)
+    result = train_feature_draft(target, tc, log=log)
+    log(f"draft written to {tc.out_dir}/draft")
+    print(json.dumps(result, default=float))
     return 0

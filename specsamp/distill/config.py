@@ -25,7 +25,10 @@ class DistillConfig:
     data: DataConfig
     train: TrainConfig
     target: str | None = None
-    architecture: str = "wide"  # the only one so far: n target-width layers, shared embedding
+    # 'wide': n target-width layers, shared embedding (train: TrainConfig);
+    # 'feature': EAGLE-style feature-conditioned draft (feature: FeatureTrainConfig).
+    architecture: str = "wide"
+    feature: object = None  # specsamp.distill.feature.FeatureTrainConfig for 'feature'
 
     @property
     def train_dir(self) -> str:
@@ -66,16 +69,22 @@ def load_config(path: str) -> DistillConfig:
         raise UserError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping at the top level")
-    known = {"name", "out_dir", "data", "train", "target", "architecture"}
+    known = {"name", "out_dir", "data", "train", "target", "architecture", "feature"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise UserError(f"{path}: unknown key(s) {unknown}; known: {sorted(known)}")
     name = raw.get("name") or os.path.splitext(os.path.basename(path))[0].removeprefix("distill_")
     out_dir = raw.get("out_dir") or os.path.join("runs", "distill", name)
     arch = raw.get("architecture", "wide")
-    if arch != "wide":
-        raise UserError(f"{path}: architecture {arch!r} is not built yet (only 'wide')")
+    if arch not in ("wide", "feature"):
+        raise UserError(f"{path}: architecture must be 'wide' or 'feature', got {arch!r}")
     data = _section(DataConfig, raw.get("data"), f"{path}: data", dir=os.path.join(out_dir, "data"))
+    feature = None
+    if arch == "feature":
+        from specsamp.distill.feature import FeatureTrainConfig
+
+        feature = _section(FeatureTrainConfig, raw.get("feature"), f"{path}: feature",
+                           data_dir=data.dir, out_dir=out_dir)
     train = _section(TrainConfig, raw.get("train"), f"{path}: train")
     if train.n_layers != len(train.init_layers):
         raise UserError(f"{path}: train.init_layers needs one target layer per draft layer "
@@ -83,4 +92,4 @@ def load_config(path: str) -> DistillConfig:
     if train.batch_rows < 1 or train.steps < 1 or data.top_k < 1:
         raise UserError(f"{path}: batch_rows, steps and top_k must be >= 1")
     return DistillConfig(name=name, out_dir=out_dir, data=data, train=train,
-                         target=raw.get("target"), architecture=arch)
+                         target=raw.get("target"), architecture=arch, feature=feature)
