@@ -152,13 +152,7 @@ def make_fns(cfg, tc: FeatureTrainConfig, opt):
                 + tc.chain_weight * mean(ce2 + tc.tv_weight * (1 - overlap2)))
         return loss, mean(overlap)
 
-    @jax.jit
-    def train_step(trainable, frozen, opt_state, batch):
-        (loss, alpha), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch)
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, alpha
-
-    return train_step, jax.jit(stats)
+    return train_mod.make_train_step(loss_fn, opt), jax.jit(stats)
 
 
 def initial_params(target, tc: FeatureTrainConfig, train_data: dict):

@@ -125,15 +125,22 @@ def make_fns(draft_cfg, tv_weight: float, opt, subset: np.ndarray | None = None)
         per_pos = ce + tv_weight * (1.0 - overlap)
         return jnp.sum(per_pos * m) / jnp.maximum(jnp.sum(m), 1.0), jnp.sum(overlap * m) / jnp.maximum(jnp.sum(m), 1.0)
 
+    return make_train_step(loss_fn, opt), jax.jit(stats)
+
+
+def make_train_step(loss_fn, opt):
+    """Jitted (trainable, frozen, opt_state, batch) -> (trainable, opt_state, loss, alpha)
+    for loss_fn(trainable, frozen, batch) -> (loss, alpha)."""
+    import jax
+    import optax
+
     @jax.jit
     def train_step(trainable, frozen, opt_state, batch):
         (loss, alpha), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch)
         updates, opt_state = opt.update(grads, opt_state, trainable)
-        import optax
-
         return optax.apply_updates(trainable, updates), opt_state, loss, alpha
 
-    return train_step, jax.jit(stats)
+    return train_step
 
 
 def _coverage(data: dict, subset: np.ndarray) -> float:

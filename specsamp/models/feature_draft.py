@@ -20,7 +20,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from specsamp.models.llama import Block, KVCache, ModelConfig, RMSNorm, rope_tables
+from specsamp.models.llama import KVCache, ModelConfig, rope_tables, setup_decoder
 
 BORROWED = ("embed", "lm_head", "head")
 
@@ -32,19 +32,8 @@ class FeatureDraft(nn.Module):
     cfg: ModelConfig  # the target's config with n_layers = the draft's layers
 
     def setup(self):
-        cfg = self.cfg
-        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
-        self.fc = nn.Dense(cfg.d_model, use_bias=False, name="fc")
-        self.layers = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.n_layers,
-        )(cfg, name="layers")
-        self.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
-        if not cfg.tie_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+        setup_decoder(self)
+        self.fc = nn.Dense(self.cfg.d_model, use_bias=False, name="fc")
 
     def __call__(self, tokens, features, positions, cache: KVCache):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))

@@ -155,6 +155,23 @@ class Block(nn.Module):
         return x, (k_cache, v_cache)
 
 
+def setup_decoder(module: nn.Module) -> None:
+    """Embedding, the scanned layer stack, final norm and (untied) head of `module.cfg`:
+    shared by the decoder and the feature-conditioned draft, so their weights line up."""
+    cfg = module.cfg
+    module.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+    module.layers = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=cfg.n_layers,
+    )(cfg, name="layers")
+    module.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
+    if not cfg.tie_embeddings:
+        module.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+
+
 class Transformer(nn.Module):
     """Decoder. `__call__` returns (logits [B, T, V], new cache); with `head=False` it
     returns the final-normed hidden states [B, T, D] instead (features for drafters, and
@@ -163,18 +180,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     def setup(self):
-        cfg = self.cfg
-        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
-        self.layers = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.n_layers,
-        )(cfg, name="layers")
-        self.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
-        if not cfg.tie_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+        setup_decoder(self)
 
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
         x = self.embed(tokens)
