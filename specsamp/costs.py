@@ -15,41 +15,43 @@ import time
 import jax
 import jax.numpy as jnp
 
-from specsamp.models import ModelConfig, Transformer, init_cache
+from specsamp.models import ModelConfig, init_cache
 
 
 _INNER = 8
 
 
-@jax.jit(static_argnames=("cfg",))
-def _steps(cfg: ModelConfig, params, tokens, positions, cache):
+@jax.jit(static_argnames=("model",))
+def _steps(model, params, tokens, positions, cache):
     def body(i, carry):
         cache, acc = carry
-        logits, cache = Transformer(cfg).apply({"params": params}, tokens, positions + i, cache)
+        logits, cache = model.forward(params, tokens, positions + i, cache)
         return cache, acc + jnp.max(logits)  # consume the logits, as sampling does
 
     return jax.lax.fori_loop(0, _INNER, body, (cache, jnp.float32(0)))
 
 
-def _timer(cfg: ModelConfig, params, tokens_per_call: int, slots: int):
-    cache = init_cache(cfg, 1, slots)
+def _plain(cfg: ModelConfig):
+    """The plain decoder's forward, in the drafters' `forward` form."""
+    from specsamp.config import SamplingParams
+    from specsamp.drafters import ModelDrafter
+
+    return ModelDrafter(cfg, 1, SamplingParams())
+
+
+def _timer(model, params, tokens_per_call: int, slots: int):
+    """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`."""
+    cache = init_cache(model.cfg, 1, slots)
     tokens = jnp.zeros((1, tokens_per_call), jnp.int32)
     positions = 100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None]
-    jax.block_until_ready(_steps(cfg, params, tokens, positions, cache))  # compile
+    jax.block_until_ready(_steps(model, params, tokens, positions, cache))  # compile
 
     def once() -> float:
         t0 = time.perf_counter()
-        jax.block_until_ready(_steps(cfg, params, tokens, positions, cache))
+        jax.block_until_ready(_steps(model, params, tokens, positions, cache))
         return (time.perf_counter() - t0) / _INNER
 
     return once
-
-
-def step_seconds(cfg: ModelConfig, params, tokens_per_call: int = 1, slots: int = 512,
-                 repeats: int = 7) -> float:
-    """Median seconds of one forward of `tokens_per_call` tokens (batch 1)."""
-    once = _timer(cfg, params, tokens_per_call, slots)
-    return statistics.median(once() for _ in range(repeats))
 
 
 def time_ratio(a, b, repeats: int = 9) -> float:
@@ -59,7 +61,7 @@ def time_ratio(a, b, repeats: int = 9) -> float:
 
 def scoring_ratio(cfg: ModelConfig, params, k: int, slots: int = 512) -> float:
     """Time of scoring K+1 tokens in one call / time of one single-token step."""
-    return time_ratio(_timer(cfg, params, k + 1, slots), _timer(cfg, params, 1, slots))
+    return time_ratio(_timer(_plain(cfg), params, k + 1, slots), _timer(_plain(cfg), params, 1, slots))
 
 
 def measure_cost_ratio(engine) -> float:
@@ -69,6 +71,6 @@ def measure_cost_ratio(engine) -> float:
     if not drafter.uses_cache:
         return 0.0
     return time_ratio(
-        _timer(drafter.cfg, engine.draft_params, 1, 512),
-        _timer(engine.prog.target, engine.target_params, 1, 512),
+        _timer(drafter, engine.draft_params, 1, 512),
+        _timer(_plain(engine.prog.target), engine.target_params, 1, 512),
     )

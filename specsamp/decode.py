@@ -18,7 +18,9 @@ from specsamp.acceptance import accept_batch
 from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer, init_cache
 from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import RUNNING, DecodeState, commit, gather_window, round_keys
+from specsamp.state import (
+    RUNNING, DecodeState, commit, gather_window, prefix_positions, round_keys, write_window,
+)
 
 Drafter = Any  # specsamp.drafters.ModelDrafter | NgramDrafter (hashable dataclasses)
 
@@ -58,17 +60,13 @@ def new_state(
     )
 
 
-def prefill_positions(tokens: jax.Array) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-
-
 @jax.jit(static_argnames=("prog", "width"))
 def prefill(prog: Program, target_params, draft_params, state: DecodeState, width: int):
     """Feed tokens [B, width] at positions 0..width-1: all but each row's current token;
     entries past that are padding, written to slots that later writes overwrite."""
     tokens = state.tokens[:, :width]
     hidden, cache = Transformer(prog.target).apply(
-        {"params": target_params}, tokens, prefill_positions(tokens), state.target_cache, head=False
+        {"params": target_params}, tokens, prefix_positions(tokens), state.target_cache, head=False
     )
     state = state.replace(target_cache=cache)
     if state.features is not None:
@@ -124,8 +122,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
                                  head=False)
     logits = target.apply({"params": target_params}, hidden, method=Transformer.logits)
     if state.features is not None:  # the target's features, for a feature-conditioned draft
-        state = state.replace(features=jax.vmap(
-            lambda f, h, s: jax.lax.dynamic_update_slice(f, h, (s, 0)))(state.features, hidden, t))
+        state = state.replace(features=write_window(state.features, hidden, t))
     q = probs_from_logits(logits, prog.sampling)
     n, x = accept_batch(accept_keys, draft, p, q)
     if found is not None:

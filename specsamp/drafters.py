@@ -23,7 +23,7 @@ from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer
 from specsamp.models.feature_draft import FeatureDraft, draft_logits, module_params
 from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import DecodeState, gather_window
+from specsamp.state import DecodeState, gather_window, prefix_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,36 +40,29 @@ class ModelDrafter:
         return True
 
     def prefill(self, params, tokens, state: DecodeState):
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         _, cache = Transformer(self.cfg).apply(
-            {"params": params}, tokens, positions, state.draft_cache, head=False)
+            {"params": params}, tokens, prefix_positions(tokens), state.draft_cache, head=False)
         return cache
 
+    def forward(self, params, tokens, positions, cache):
+        """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
+        return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache)
+
     def propose(self, params, state: DecodeState, keys: jax.Array):
-        model = Transformer(self.cfg)
         t = state.current
         # First call feeds the pair (t-1, t): slot t-1 holds the previous round's last draft
         # token, which is missing from the cache when that round accepted all K.
         start = jnp.maximum(t - 1, 0)
         pair = gather_window(state.tokens, start, 2)
         positions = start[:, None] + jnp.arange(2)[None, :]
-        logits, cache = model.apply({"params": params}, pair, positions, state.draft_cache)
+        logits, cache = self.forward(params, pair, positions, state.draft_cache)
         logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
 
-        draw = _drawer(self.sampling, keys)
+        def feed(tok, i, _, cache):
+            logits, cache = self.forward(params, tok[:, None], (t + 1 + i)[:, None], cache)
+            return logits[:, 0], cache
 
-        def step(carry, i):
-            cache, logits = carry
-            tok, probs = draw(logits, i)
-            logits, cache = model.apply(
-                {"params": params}, tok[:, None], (t + 1 + i)[:, None], cache
-            )
-            return (cache, logits[:, 0]), (tok, probs)
-
-        (cache, logits), (toks, probs) = jax.lax.scan(step, (cache, logits), jnp.arange(self.k - 1))
-        last_tok, last_probs = draw(logits, self.k - 1)
-        draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
-        p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
+        draft, p, cache = _chain(_drawer(self.sampling, keys), lambda x: x, feed, logits, cache, self.k)
         return draft, p, cache, None
 
     @property
@@ -88,11 +81,28 @@ def _drawer(sampling: SamplingParams, keys: jax.Array):
     return draw
 
 
+def _chain(draw, head, feed, x, cache, k: int):
+    """Draw K draft tokens: token i from head(x), then x, cache = feed(token, i, x, cache)
+    for all but the last. Returns (draft [B, K], p [B, K, V], cache)."""
+
+    def step(carry, i):
+        x, cache = carry
+        tok, probs = draw(head(x), i)
+        x, cache = feed(tok, i, x, cache)
+        return (x, cache), (tok, probs)
+
+    (x, cache), (toks, probs) = jax.lax.scan(step, (x, cache), jnp.arange(k - 1))
+    last_tok, last_probs = draw(head(x), k - 1)
+    draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
+    p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
+    return draft, p, cache
+
+
 def _shifted_features(features: jax.Array, start: jax.Array, width: int) -> jax.Array:
     """For positions start..start+width-1 of each row, the target's feature at the
     previous position (zeros before position 0). features [B, S, D] -> [B, width, D]."""
     padded = jnp.pad(features, ((0, 0), (1, 0), (0, 0)))  # padded[j] = features[j - 1]
-    return jax.vmap(lambda f, s: jax.lax.dynamic_slice(f, (s, 0), (width, f.shape[1])))(padded, start)
+    return gather_window(padded, start, width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +124,19 @@ class FeatureDrafter:
     def prefill(self, params, tokens, state: DecodeState):
         start = jnp.zeros((tokens.shape[0],), jnp.int32)
         feats = _shifted_features(state.features, start, tokens.shape[1])
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         _, cache = FeatureDraft(self.cfg).apply(
-            {"params": module_params(params)}, tokens, feats, positions, state.draft_cache)
+            {"params": module_params(params)}, tokens, feats, prefix_positions(tokens),
+            state.draft_cache)
         return cache
+
+    def forward(self, params, tokens, positions, cache, features=None):
+        """One draft call: (logits [B, T, V], cache); features default to zeros (what the
+        cost ratio times: the same work whatever the features are)."""
+        if features is None:
+            features = jnp.zeros(tokens.shape + (self.cfg.d_model,), jnp.float32)
+        g, cache = FeatureDraft(self.cfg).apply(
+            {"params": module_params(params)}, tokens, features, positions, cache)
+        return draft_logits(self.cfg, params, g), cache
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         model = FeatureDraft(self.cfg)
@@ -133,21 +152,13 @@ class FeatureDrafter:
         positions = start[:, None] + jnp.arange(width)[None, :]
         g, cache = model.apply(own, tokens, feats, positions, state.draft_cache)
         g = jnp.take_along_axis(g, (t - start)[:, None, None], axis=1)  # [B, 1, D]
-        draw = _drawer(self.sampling, keys)
-
         def head(g):
             return draft_logits(self.cfg, params, g)[:, 0]
 
-        def step(carry, i):
-            cache, g = carry
-            tok, probs = draw(head(g), i)
-            g, cache = model.apply(own, tok[:, None], g, (t + 1 + i)[:, None], cache)
-            return (cache, g), (tok, probs)
+        def feed(tok, i, g, cache):  # chained steps read the draft's own features
+            return model.apply(own, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
-        (cache, g), (toks, probs) = jax.lax.scan(step, (cache, g), jnp.arange(self.k - 1))
-        last_tok, last_probs = draw(head(g), self.k - 1)
-        draft = jnp.concatenate([toks.T, last_tok[:, None]], axis=1)
-        p = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_probs[:, None]], axis=1)
+        draft, p, cache = _chain(_drawer(self.sampling, keys), head, feed, g, cache, self.k)
         return draft, p, cache, None
 
 

@@ -51,9 +51,21 @@ def round_keys(state: DecodeState) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(state.keys, state.length)
 
 
-def gather_window(tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:
-    """tokens[b, start[b] : start[b] + width] for each row."""
-    return jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (width,)))(tokens, start)
+def gather_window(buf: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """buf[b, start[b] : start[b] + width] for each row; buf [B, S, ...]."""
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice(
+        row, (s,) + (0,) * (row.ndim - 1), (width,) + row.shape[1:]))(buf, start)
+
+
+def write_window(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf[b, start[b] : start[b] + W] = new[b] for each row; buf [B, S, ...], new [B, W, ...]."""
+    return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(
+        row, u, (s,) + (0,) * (row.ndim - 1)))(buf, new, start)
+
+
+def prefix_positions(tokens: jax.Array) -> jax.Array:
+    """Positions 0..T-1 for every row of tokens [B, T] (prefill)."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
 def commit(
@@ -79,9 +91,7 @@ def commit(
     emit = jnp.minimum(until_stop, room)
     running = ~state.done
 
-    tokens = jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (s,)))(
-        state.tokens, new, state.length
-    )
+    tokens = write_window(state.tokens, new, state.length)
     length = jnp.where(running, state.length + emit, state.length)
     hit_stop = any_stop & (until_stop <= room)
     stopped_on_eos = jnp.take_along_axis(is_eos, (until_stop - 1)[:, None], axis=1)[:, 0]
