@@ -56,12 +56,22 @@ def check_max_new_tokens(n: int) -> int:
     return n
 
 
+DRAFT_FORMS = "'auto', 'none', 'ngram[:N]', 'early-exit:L', a path, a shipped draft name, or 'ngram+<draft>'"
+
+
 def parse_draft(draft: str) -> tuple[str, object]:
-    """'none' | 'ngram[:N]' | 'early-exit:L' | path -> (kind, argument)."""
+    """'auto' (the best known drafter for the target) | 'none' | 'ngram[:N]' | 'early-exit:L' | path | shipped name | 'ngram[:N]+<path or name>'
+    -> (kind, argument); the hybrid's argument is (N, path or name)."""
     if not isinstance(draft, str) or not draft:
-        raise UserError(f"draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
-    if draft == "none":
-        return "none", None
+        raise UserError(f"draft must be {DRAFT_FORMS}, got {draft!r}")
+    if draft in ("none", "auto"):
+        return draft, None
+    if draft.startswith("ngram") and "+" in draft:
+        lookup, _, model = draft.partition("+")
+        kind, n = parse_draft(lookup)
+        if kind != "ngram" or not model or parse_draft(model)[0] != "model":
+            raise UserError(f"a hybrid drafter is 'ngram[:N]+<feature draft path or name>', got {draft!r}")
+        return "hybrid", (n, model)
     if draft == "ngram" or draft.startswith("ngram:"):
         n = draft.partition(":")[2] or "3"
         if not n.isdigit() or not 1 <= int(n) <= 8:

@@ -22,7 +22,7 @@ from specsamp.state import (
     RUNNING, DecodeState, commit, gather_window, prefix_positions, round_keys, write_window,
 )
 
-Drafter = Any  # specsamp.drafters.ModelDrafter | NgramDrafter (hashable dataclasses)
+Drafter = Any  # one of specsamp.drafters' drafters (hashable dataclasses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ def new_state(
         keys=jax.vmap(jax.random.PRNGKey)(seeds),
         stop_reason=jnp.full((b,), RUNNING, jnp.int32),
         calls=jnp.zeros((b,), jnp.int32),
+        draft_calls=jnp.zeros((b,), jnp.int32),
         loops=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
@@ -92,7 +93,10 @@ def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_id
 def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids):
     keys = round_keys(state)
     draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
-    draft, p, draft_cache, found = prog.drafter.propose(draft_params, state, draft_keys)
+    proposal = prog.drafter.propose(draft_params, state, draft_keys)
+    calls = prog.drafter.calls_per_round if proposal.calls is None else proposal.calls
+    state = state.replace(draft_calls=state.draft_calls + jnp.where(state.done, 0, calls))
+    draft, p, draft_cache, found = proposal.draft, proposal.p, proposal.draft_cache, proposal.found
     if found is None:
         return _score(prog, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids)
     # A drafter that may have nothing to propose (n-gram lookup without a match): when no

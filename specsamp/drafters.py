@@ -7,14 +7,17 @@
   previous position (EAGLE-style); chains K tokens on its own predicted features.
 - `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
   proposes what followed. Deterministic, so p is a point mass (one-hot).
+- `HybridDrafter`: prompt lookup where it finds a match, a model drafter (e.g. the trained
+  feature draft) for the other rows; the model's chain is skipped in rounds where every
+  running row has a match.
 
-`propose(params, state, keys) -> (draft [B, K] int32, p [B, K, V] float32, draft_cache, found)`,
-where found [B] bool says which rows have a real proposal (None: always).
+`propose(params, state, keys) -> Proposal`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +26,15 @@ from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer
 from specsamp.models.feature_draft import FeatureDraft, draft_logits, module_params
 from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import DecodeState, gather_window, prefix_positions
+from specsamp.state import RUNNING, DecodeState, gather_window, prefix_positions
+
+
+class Proposal(NamedTuple):
+    draft: jax.Array  # [B, K] int32
+    p: jax.Array  # [B, K, V] float32: the distributions the draft tokens came from
+    draft_cache: Any  # the drafter's cache after the round (None: no cache)
+    found: jax.Array | None = None  # [B] bool: rows with a real proposal (None: all)
+    calls: jax.Array | None = None  # [B] int32 draft calls per row (None: calls_per_round)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +73,7 @@ class ModelDrafter:
             logits, cache = self.forward(params, tok[:, None], (t + 1 + i)[:, None], cache)
             return logits[:, 0], cache
 
-        draft, p, cache = _chain(_drawer(self.sampling, keys), lambda x: x, feed, logits, cache, self.k)
-        return draft, p, cache, None
+        return Proposal(*_chain(_drawer(self.sampling, keys), lambda x: x, feed, logits, cache, self.k))
 
     @property
     def calls_per_round(self) -> int:
@@ -138,28 +148,34 @@ class FeatureDrafter:
             {"params": module_params(params)}, tokens, features, positions, cache)
         return draft_logits(self.cfg, params, g), cache
 
-    def propose(self, params, state: DecodeState, keys: jax.Array):
-        model = FeatureDraft(self.cfg)
-        own = {"params": module_params(params)}
+    def refresh(self, params, state: DecodeState):
+        """The first call of a round: the window of K+1 positions ending at t, with the
+        target's true features. It (re)writes every position accepted since the last round
+        (at most K+1) with true features, replacing the draft's own guesses from that round.
+        Returns (g [B, 1, D] at t, cache)."""
         t = state.current
-        # First call: the window of K+1 positions ending at t, with the target's true
-        # features. It (re)writes every position accepted since the last round with true
-        # features, replacing the draft's own guesses from that round.
         start = jnp.maximum(t - self.k, 0)
         width = self.k + 1
         tokens = gather_window(state.tokens, start, width)
         feats = _shifted_features(state.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
-        g, cache = model.apply(own, tokens, feats, positions, state.draft_cache)
-        g = jnp.take_along_axis(g, (t - start)[:, None, None], axis=1)  # [B, 1, D]
+        g, cache = FeatureDraft(self.cfg).apply(
+            {"params": module_params(params)}, tokens, feats, positions, state.draft_cache)
+        return jnp.take_along_axis(g, (t - start)[:, None, None], axis=1), cache
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        model = FeatureDraft(self.cfg)
+        own = {"params": module_params(params)}
+        t = state.current
+        g, cache = self.refresh(params, state)
+
         def head(g):
             return draft_logits(self.cfg, params, g)[:, 0]
 
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
             return model.apply(own, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
-        draft, p, cache = _chain(_drawer(self.sampling, keys), head, feed, g, cache, self.k)
-        return draft, p, cache, None
+        return Proposal(*_chain(_drawer(self.sampling, keys), head, feed, g, cache, self.k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +197,8 @@ class NgramDrafter:
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
-        return draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32), None, found
+        return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
+                        None, found)
 
     def _lookup(self, row: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         """row [S], current index t -> (K proposed tokens, whether a match was found).
@@ -201,3 +218,64 @@ class NgramDrafter:
         proposal = row[follow]
         found = best_end >= 0
         return jnp.where(found, proposal, jnp.full((self.k,), row[t])), found
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+    """Prompt lookup first, a feature draft for the rows it leaves without a proposal.
+
+    Each row's proposal is either the n-gram continuation (a point mass) or the model's
+    chain, chosen by that row's own tokens: exact under the rejection rule either way, and
+    independent of batch-mates. When every running row has a match the model's chain is
+    skipped; only its first call runs, so that its cache keeps up with the accepted tokens
+    (the refresh window of K+1 positions covers everything a round can accept).
+    """
+
+    ngram: NgramDrafter
+    model: FeatureDrafter
+    needs_features = True
+
+    @property
+    def k(self) -> int:
+        return self.model.k
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def kind(self) -> str:
+        return "ngram+" + self.model.kind
+
+    @property
+    def uses_cache(self) -> bool:
+        return True
+
+    @property
+    def calls_per_round(self) -> int:
+        return self.model.k  # at most; Proposal.calls says what each round used
+
+    def prefill(self, params, tokens, state: DecodeState):
+        return self.model.prefill(params, tokens, state)
+
+    def forward(self, params, tokens, positions, cache):
+        return self.model.forward(params, tokens, positions, cache)
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        lookup = self.ngram.propose(None, state, keys)
+        found = lookup.found
+        running = state.stop_reason == RUNNING
+
+        def lookup_only(_):
+            _, cache = self.model.refresh(params, state)
+            return lookup.draft, lookup.p, cache
+
+        def with_model(_):
+            drafted = self.model.propose(params, state, keys)
+            pick = found[:, None]
+            return (jnp.where(pick, lookup.draft, drafted.draft),
+                    jnp.where(pick[..., None], lookup.p, drafted.p), drafted.draft_cache)
+
+        draft, p, cache = jax.lax.cond(jnp.all(found | ~running), lookup_only, with_model, None)
+        calls = jnp.where(found, 1, self.k).astype(jnp.int32)
+        return Proposal(draft, p, cache, None, calls)

@@ -47,6 +47,7 @@ class RawSample:
     stop_reason: str
     calls: int  # target calls
     loops: int  # speculative rounds (calls that scored a draft)
+    draft_calls: int  # draft model calls
     accepted: tuple[int, ...]
     prefill_s: float
     decode_s: float
@@ -153,6 +154,7 @@ class Engine:
     def _collect(self, state, lens, prefill_s, decode_s) -> list[RawSample]:
         tokens, length = np.asarray(state.tokens), np.asarray(state.length)
         calls, loops = np.asarray(state.calls), np.asarray(state.loops)
+        draft_calls = np.asarray(state.draft_calls)
         accepted = np.asarray(state.accepted)
         reason = np.asarray(state.stop_reason)
         busiest = max(int(calls.max()), 1)
@@ -164,6 +166,7 @@ class Engine:
                 stop_reason=STOP_REASONS[int(reason[i])],
                 calls=int(calls[i]),
                 loops=int(loops[i]),
+                draft_calls=int(draft_calls[i]),
                 accepted=tuple(int(x) for x in accepted[i, : loops[i]]) if self.prog.k else (),
                 # Latency as the row saw it: the batch's prefill, then decoding until the
                 # row's last round (rounds of a batch take equal time).

@@ -16,7 +16,8 @@ import jax
 
 from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
 from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
+from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.drafts import default_draft, resolve
 from specsamp.engine import Engine, enable_compilation_cache
 from specsamp.errors import UserError
 from specsamp.results import Completion
@@ -27,7 +28,9 @@ class GeneratorSpec:
     """target: None or 'smollm2' (the embedded default), or a local / gs:// path to a .gguf
     file or a Hugging Face folder. draft: 'none' (plain autoregressive sampling, the
     baseline), 'ngram' (prompt lookup, 'ngram:N' for n-grams up to N), 'early-exit:L' (the
-    target's first L layers), or a path to a draft model sharing the target's vocabulary."""
+    target's first L layers), a path to a draft model sharing the target's vocabulary or to
+    a feature draft (or a shipped draft's name, `specsamp.drafts`), 'ngram+<feature draft>'
+    (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`)."""
 
     target: str | None = None
     draft: str = "none"
@@ -85,7 +88,8 @@ class Generator:
         self.spec = spec
         self.target = load_model_once(spec.target)
         self.tokenizer = self.target.tokenizer
-        kind, arg = parse_draft(spec.draft)
+        self.draft = default_draft(spec.target) if spec.draft == "auto" else spec.draft
+        kind, arg = parse_draft(self.draft)
         cfg, sp, k = self.target.cfg, spec.sampling, spec.k
         draft_params, drafter = None, None
         if kind == "ngram":
@@ -95,8 +99,15 @@ class Generator:
                 raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
             drafter = ModelDrafter(cfg.truncated(arg), k, sp, kind="early-exit")
             draft_params = _slice_layers(self.target.params, arg)
-        elif kind == "model" and is_feature_draft(arg):
-            draft_cfg, draft_params = load_feature_draft(arg, self.target)
+        elif kind == "hybrid":
+            n, path = arg
+            if not is_feature_draft(resolve(path)):
+                raise UserError(f"'ngram+<draft>' needs a feature-conditioned draft (a folder "
+                                f"written by specsamp distill), got {path!r}")
+            draft_cfg, draft_params = load_feature_draft(resolve(path), self.target)
+            drafter = HybridDrafter(NgramDrafter(k, cfg.vocab_size, n), FeatureDrafter(draft_cfg, k, sp))
+        elif kind == "model" and is_feature_draft(resolve(arg)):
+            draft_cfg, draft_params = load_feature_draft(resolve(arg), self.target)
             drafter = FeatureDrafter(draft_cfg, k, sp)
         elif kind == "model":
             draft = load_model_once(arg)
@@ -122,7 +133,7 @@ class Generator:
 
     @property
     def draft_id(self) -> str:
-        return self.spec.draft
+        return self.draft  # 'auto' resolved
 
     @property
     def device_kind(self) -> str:
@@ -178,11 +189,10 @@ class Generator:
         if cut >= 0:
             text, reason = text[:cut], "stop"
         k = self.spec.k if self.drafter is not None else 0
-        draft_calls = raw.loops * (self.drafter.calls_per_round if self.drafter else 0)
         return Completion(
             text=text, token_ids=tuple(ids), prompt_tokens=raw.prompt_tokens,
             stop_reason=reason, mode=self.mode, target_calls=raw.calls,
-            draft_calls=draft_calls, accepted_per_loop=raw.accepted,
+            draft_calls=raw.draft_calls, accepted_per_loop=raw.accepted,
             prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
         )
 

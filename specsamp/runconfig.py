@@ -17,7 +17,8 @@ import hashlib
 import json
 import os
 
-from specsamp.config import SamplingParams, check_k, parse_draft
+from specsamp.config import DRAFT_FORMS, SamplingParams, check_k, parse_draft
+from specsamp.drafts import resolve
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
@@ -165,14 +166,15 @@ def _parse_settings(items, where: str) -> tuple[Setting, ...]:
 
 def _check_setting(draft, k, where: str) -> Setting:
     if not isinstance(draft, str) or not draft:
-        raise UserError(f"{where}: draft must be 'none', 'ngram', 'early-exit:L' or a path, got {draft!r}")
+        raise UserError(f"{where}: draft must be {DRAFT_FORMS}, got {draft!r}")
     if draft == "none":
         if k not in (0, None):
             raise UserError(f"{where}: the baseline (draft: none) takes no K, got k={k!r}")
         return Setting("none", 0)
     try:
-        if parse_draft(draft)[0] == "model":
-            _check_path(draft, "draft", where)
+        kind, arg = parse_draft(draft)
+        if kind in ("model", "hybrid"):
+            _check_path(resolve(arg if kind == "model" else arg[1]), "draft", where)
         return Setting(draft, check_k(k))
     except UserError as e:
         raise UserError(f"{where}: {e}") from None

@@ -29,6 +29,7 @@ class DecodeState:
     keys: jax.Array  # [B, 2] uint32: each row's own key (from its seed)
     stop_reason: jax.Array  # [B] int32, RUNNING until the row is done
     calls: jax.Array  # [B] int32: target calls while the row was running
+    draft_calls: jax.Array  # [B] int32: draft model calls while the row was running
     loops: jax.Array  # [B] int32: speculative rounds (target calls that scored a draft)
     accepted: jax.Array  # [B, R] int32: accepted draft tokens in each speculative round
     target_cache: KVCache

@@ -15,6 +15,8 @@ CASES = [
     (["generate", "--prompt", "hi", "--target", "/no/such/model"], "/no/such/model"),
     (["generate", "--prompt", "hi", "--draft", "early-exit:x"], "early exit needs a layer count"),
     (["bench", "--k", "2,x"], "comma-separated list"),
+    (["generate", "--prompt", "hi", "--draft", "ngram+"], "a hybrid drafter is 'ngram[:N]+"),
+    (["generate", "--prompt", "hi", "--draft", "ngram+/no/such/draft"], "feature-conditioned"),
 ]
 
 

@@ -15,7 +15,7 @@ from scipy import stats
 
 from specsamp.config import SamplingParams
 from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, ModelDrafter, NgramDrafter
+from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from specsamp.engine import Engine
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -57,6 +57,10 @@ def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
         make = tiny.feature_draft_reduced if drafter_kind == "feature-reduced" else tiny.feature_draft
         cfg, draft_params = make()
         drafter = FeatureDrafter(cfg, k, sp)
+    elif drafter_kind == "hybrid":  # n-gram where it matches, the reduced feature draft elsewhere
+        cfg, draft_params = tiny.feature_draft_reduced()
+        drafter = HybridDrafter(NgramDrafter(k, tiny.TARGET.vocab_size, min_ngram=2),
+                                FeatureDrafter(cfg, k, sp))
     return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
 
@@ -97,6 +101,8 @@ CASES = [
     ("feature", 3, 0.9, 5, 0.9),
     ("feature-reduced", 3, 1.0, 0, 1.0),
     ("ngram", 3, 0.8, 0, 0.95),
+    ("hybrid", 2, 1.0, 0, 1.0),
+    ("hybrid", 3, 0.9, 4, 0.9),
 ]
 
 
@@ -118,7 +124,7 @@ def test_the_statistical_check_has_power():
 
 @pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2),
                                        ("ngram", 5), ("feature", 1), ("feature", 4),
-                                       ("feature-reduced", 3)])
+                                       ("feature-reduced", 3), ("hybrid", 1), ("hybrid", 4)])
 def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
     sp = SamplingParams(0.0)
     prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
@@ -132,7 +138,7 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
         assert len(s.accepted) == s.loops <= s.calls
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "feature"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "feature", "hybrid"])
 def test_sample_depends_only_on_its_seed_not_its_batch(drafter):
     """Tokens and statistics of a row are the same alone and among other rows (n-gram: a
     batch-mate with a match must not change a row that has none, and vice versa)."""
@@ -162,3 +168,29 @@ def test_rows_stop_independently_on_eos():
     end = other.index(eos) + 1 if eos in other else 16
     assert b.token_ids == other[:end]
     assert b.stop_reason == ("eos" if eos in other else "max_tokens")
+
+
+def _host_lookup_finds(tokens: list[int], t: int, lo: int = 2, hi: int = 3) -> bool:
+    """Plain-Python n-gram lookup: does tokens[t-n+1..t] occur ending earlier, for some n?"""
+    return any(t >= n - 1 and tokens[e - n + 1:e + 1] == tokens[t - n + 1:t + 1]
+               for n in range(lo, hi + 1) for e in range(n - 1, t))
+
+
+def test_hybrid_uses_the_model_exactly_in_rounds_where_lookup_finds_nothing():
+    """Replays each round's lookup on the host: rows with a match cost one draft call (the
+    cache refresh), rows without run the model's chain of K calls."""
+    k = 3
+    engine = make_engine(SamplingParams(0.0), "hybrid", k, max_new=24)
+    prompts = [[7], [1, 2, 1, 2, 1, 2], [5, 4], PROMPT]
+    lookups = models = 0
+    for prompt, r in zip(prompts, engine.run(prompts, [0, 1, 2, 3])):
+        tokens = list(prompt) + list(r.token_ids)
+        t, expected = len(prompt) - 1, 0
+        assert r.loops == r.calls == len(r.accepted)  # every round scores a draft
+        for n in r.accepted:
+            found = _host_lookup_finds(tokens, t)
+            lookups, models = lookups + found, models + (not found)
+            expected += 1 if found else k
+            t += n + 1
+        assert r.draft_calls == expected
+    assert lookups and models  # both kinds of round ran

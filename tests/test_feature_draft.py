@@ -1,11 +1,18 @@
 """The feature-conditioned drafter sees the target's true features: with K = 1 and greedy
 decoding, each loop's acceptance must equal an offline, teacher-forced computation
-(full sequences, no cache) of whether the draft's argmax is the target's next token."""
+(full sequences, no cache) of whether the draft's argmax is the target's next token.
+Also: the on-disk format, the 'ngram+<draft>' hybrid and the shipped draft."""
+
+import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from specsamp.config import SamplingParams
+from specsamp.config import SamplingParams, parse_draft
+from specsamp.drafts import default_draft, resolve
+from specsamp.errors import UserError
 from specsamp.decode import Program
 from specsamp.drafters import FeatureDrafter
 from specsamp.engine import Engine
@@ -58,3 +65,25 @@ def test_saved_feature_draft_loads_into_the_generator(tmp_path):
     spec = make(str(tmp_path / "d")).generate(["the quick brown"], [0])[0]
     base = make("none").generate(["the quick brown"], [0])[0]
     assert spec.token_ids == base.token_ids and spec.draft_calls == 3 * spec.target_calls
+    hybrid = make(f"ngram+{tmp_path / 'd'}").generate(["the quick brown"], [0])[0]
+    assert hybrid.token_ids == base.token_ids
+    assert hybrid.target_calls <= hybrid.draft_calls <= 3 * hybrid.target_calls
+    with pytest.raises(UserError, match="feature-conditioned"):
+        make(f"ngram+{target_path}")  # a plain model is no feature draft
+
+
+@pytest.mark.parametrize("bad", ["ngram+", "ngram+early-exit:2", "ngram:0+d", "ngram+none",
+                                 "ngram+ngram"])
+def test_malformed_hybrid_drafts_are_user_errors(bad):
+    with pytest.raises(UserError):
+        parse_draft(bad)
+
+
+def test_auto_picks_the_shipped_draft_only_for_the_embedded_target():
+    assert parse_draft("ngram:2+smollm2-feature") == ("hybrid", (2, "smollm2-feature"))
+    assert default_draft(None) == default_draft("smollm2") == "ngram+smollm2-feature"
+    assert default_draft("/models/other.gguf") == "ngram"
+    manifest = os.path.join(resolve("smollm2-feature"), "specsamp_draft.json")
+    assert os.path.getsize(os.path.join(resolve("smollm2-feature"), "model.safetensors")) < 20e6
+    with open(manifest) as f:
+        assert json.load(f)["kind"] == "feature"

@@ -6,8 +6,10 @@ import pytest
 
 from specsamp.config import SamplingParams
 from specsamp.decode import Program
-from specsamp.drafters import ModelDrafter, NgramDrafter
+from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.drafts import resolve
 from specsamp.engine import Engine
+from specsamp.models.feature_draft import load_feature_draft
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def _layers(params, idx):
     return {**params, "layers": jax.tree.map(lambda a: a[idx], params["layers"])}
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "early-exit:2", "separate:0,29", "self"])
+@pytest.mark.parametrize("drafter", ["ngram", "early-exit:2", "separate:0,29", "self", "shipped"])
 def test_greedy_speculative_equals_autoregressive(smollm2, baseline, drafter):
     cfg, params, sp = smollm2.cfg, smollm2.params, SamplingParams(0.0)
     if drafter == "ngram":
@@ -47,6 +49,9 @@ def test_greedy_speculative_equals_autoregressive(smollm2, baseline, drafter):
         d, dp = ModelDrafter(cfg.truncated(2), 3, sp), _layers(params, slice(0, 2))
     elif drafter == "separate:0,29":  # a separate 2-layer model (target layers 0 and 29)
         d, dp = ModelDrafter(cfg.truncated(2), 5, sp), _layers(params, jax.numpy.array([0, 29]))
+    elif drafter == "shipped":  # lookup + the trained feature draft shipped in the package
+        dcfg, dp = load_feature_draft(resolve("smollm2-feature"), smollm2)
+        d = HybridDrafter(NgramDrafter(3, cfg.vocab_size), FeatureDrafter(dcfg, 3, sp))
     else:  # the target drafting for itself: every draft token must be accepted
         d, dp = ModelDrafter(cfg, 4, sp), params
     spec = _run(smollm2, d, dp)
@@ -55,3 +60,7 @@ def test_greedy_speculative_equals_autoregressive(smollm2, baseline, drafter):
         assert len(a.token_ids) > 10
     if drafter == "self":
         assert all(n == 4 for s in spec for n in s.accepted[:-1])
+    if drafter == "shipped":  # trained weights loaded right: far above an untrained draft's
+        code = spec[0]
+        assert len(code.token_ids) / code.calls > 1.5
+        assert code.calls < code.draft_calls  # the model drafted in some rounds

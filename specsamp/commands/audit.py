@@ -10,7 +10,7 @@ DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 def register(sub) -> None:
     p = sub.add_parser("audit", help="statistical exactness audit of speculative sampling")
-    add_model_args(p, draft_default="ngram")
+    add_model_args(p)
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="default 1 (greedy is trivial)")
     g.add_argument("--top-k", type=int, default=0)

@@ -20,13 +20,15 @@ def _list(kind):
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure speed-up over the autoregressive baseline")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
-    p.add_argument("--draft", default="ngram", help="drafter (path, ngram[:N], early-exit:L)")
+    p.add_argument("--draft", default="auto",
+                   help="drafter (auto, path, ngram[:N], ngram+<feature draft>, early-exit:L)")
     p.add_argument("--k", type=_list(int), default=[2, 4], help="K values, e.g. 1,2,4,8")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
     p.add_argument("--prompts", default="humaneval",
-                   help="'humaneval' (chat form) or a Parquet/JSONL file with a prompt column")
+                   help="'humaneval' (chat form), 'prose' (chat form; the prose prompts held out "
+                        "of distillation) or a Parquet/JSONL file with a prompt column")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--chat", action="store_true", help="chat template for --prompt / file prompts")
     p.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
@@ -38,7 +40,7 @@ def register(sub) -> None:
 
 
 def _prompts(args) -> tuple[list[str], bool]:
-    from specsamp.bench import humaneval_prompts
+    from specsamp.bench import humaneval_prompts, prose_prompts
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
@@ -46,6 +48,8 @@ def _prompts(args) -> tuple[list[str], bool]:
         return args.prompt[: args.limit], args.chat
     if args.prompts == "humaneval":
         return humaneval_prompts(args.limit), True
+    if args.prompts == "prose":
+        return prose_prompts(args.limit), True
     from specsamp.prompts import from_file
 
     table = from_file(args.prompts)

@@ -8,14 +8,16 @@ import math
 import sys
 
 
-def add_model_args(p: argparse.ArgumentParser, draft_default: str = "ngram") -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=None,
                    help="target: a .gguf file or Hugging Face folder, local or gs:// "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=draft_default,
-                   help="drafter: a draft model path, 'ngram[:N]', 'early-exit:L', or 'none' "
-                        f"for plain autoregressive sampling (default: {draft_default})")
+    g.add_argument("--draft", default="auto",
+                   help="drafter: 'auto' (the embedded target: n-gram lookup + the shipped "
+                        "trained draft; other targets: n-gram), a draft model path, 'ngram[:N]', "
+                        "'ngram+<feature draft>', 'early-exit:L', or 'none' for plain "
+                        "autoregressive sampling (default: auto)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per loop (default 4)")
 
 

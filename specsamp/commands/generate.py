@@ -15,7 +15,7 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[],
                    help="stop token id besides the model's EOS (repeatable)")
-    add_model_args(p, draft_default="ngram")
+    add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -1,0 +1,54 @@
+"""specsamp bench: the cost model's arithmetic, and one tiny end-to-end run."""
+
+import math
+
+import pytest
+
+from specsamp.bench import Timing, expected_tokens, measured_prediction, predicted_speedup, run_bench
+from specsamp.config import SamplingParams
+from specsamp.results import Completion
+
+
+def _completion(tokens, calls, accepted, draft_calls, k):
+    return Completion(text="", token_ids=tuple(range(tokens)), prompt_tokens=3, stop_reason="max_tokens",
+                      mode="speculative", target_calls=calls, draft_calls=draft_calls,
+                      accepted_per_loop=tuple(accepted), prefill_s=0.0, decode_s=1.0, k=k)
+
+
+def test_measured_prediction_counts_plain_steps_and_real_draft_calls():
+    t = Timing()
+    # 4 scored rounds (3 + 1 + 0 + 2 accepted, one token each on top) and 2 plain steps.
+    t.add([_completion(tokens=12, calls=6, accepted=[3, 1, 0, 2], draft_calls=7, k=3)])
+    assert (t.loops, t.calls, t.draft_calls, t.accepted, t.rejections) == (4, 6, 7, 6, 3)
+    cost = 4 * 1.25 + 2 * 1 + 7 * 0.05  # in target steps
+    assert measured_prediction(t, 0.05, 1.25) == pytest.approx(12 / cost)
+    # With every round scored and K draft calls each, it is tokens/loop over the paper's cost.
+    u = Timing()
+    u.add([_completion(tokens=10, calls=4, accepted=[3, 1, 0, 2], draft_calls=12, k=3)])
+    assert measured_prediction(u, 0.1, 1.0) == pytest.approx(2.5 / (3 * 0.1 + 1))
+    assert math.isnan(measured_prediction(Timing(), 0.1, 1.0))
+
+
+def test_paper_cost_model():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert predicted_speedup(0.5, 2, 0.25, 1.5) == pytest.approx(1.75 / 2.0)
+
+
+def test_run_bench_on_a_tiny_model(tmp_path):
+    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+
+    def make(draft, k, sp):
+        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, sampling=sp,
+                                            max_new_tokens=12))
+
+    rows = run_bench(make, ["the quick brown fox", "one two one two one"], "ngram", [2],
+                     [SamplingParams(0.0)], repeats=1)
+    (row,) = rows
+    assert row["drafter"] == "ngram" and row["k"] == 2 and row["tokens"] > 0
+    assert 1.0 <= row["tokens_per_call"] <= 3.0 and row["cost_ratio"] == 0.0
+    assert row["score_cost_ratio"] > 0 and row["speedup"] > 0
+    assert math.isfinite(row["predicted_speedup_scoring"])
