@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
-import time
 from typing import Callable
 
 import numpy as np
@@ -39,6 +37,7 @@ class FeatureTrainConfig:
     head_vocab: int = 8192
     learning_rate: float = 5e-4
     warmup_steps: int = 50
+    weight_decay: float = 0.0
     steps: int = 3000
     batch_rows: int = 4
     tv_weight: float = 2.0
@@ -171,8 +170,9 @@ def initial_params(target, tc: FeatureTrainConfig, train_data: dict):
 
 
 def train_feature_draft(target, tc: FeatureTrainConfig, log: Callable[[str], None] = print) -> dict:
-    """Train (resuming from out_dir/checkpoint.npz), evaluate held-out alpha per domain
-    every `eval_every` steps, and save the draft to out_dir/draft after each evaluation."""
+    """Train through `train.train` (resuming from out_dir/checkpoint.npz), evaluate held-out
+    alpha per domain every `eval_every` steps, and save the draft to out_dir/draft after
+    each evaluation."""
     from specsamp.models.feature_draft import save_feature_draft
 
     for split in ("train", "heldout"):
@@ -180,49 +180,11 @@ def train_feature_draft(target, tc: FeatureTrainConfig, log: Callable[[str], Non
     data = load_split(os.path.join(tc.data_dir, "train"))
     heldout = load_split(os.path.join(tc.data_dir, "heldout"))
     cfg, trainable, frozen = initial_params(target, tc, data)
-    opt = train_mod.optimizer(train_mod.TrainConfig(
-        learning_rate=tc.learning_rate, warmup_steps=tc.warmup_steps, steps=tc.steps))
-    opt_state = opt.init(trainable)
     os.makedirs(tc.out_dir, exist_ok=True)
-    ckpt = os.path.join(tc.out_dir, "checkpoint.npz")
-    step = 0
-    if os.path.exists(ckpt):
-        step, trainable, opt_state = train_mod.load_checkpoint(ckpt, trainable, opt_state)
-        log(f"resumed from {ckpt} at step {step}")
-    train_step, stats = make_fns(cfg, tc, opt)
-    start = time.time()
-    deadline = start + 60 * tc.max_minutes if tc.max_minutes else None
-    losses, result = [], {}
 
-    def evaluate():
-        nonlocal result
-        params = {**frozen, **trainable}
-        result = {"step": step, "minutes": (time.time() - start) / 60,
-                  "train_positions": int(data["mask"].sum()),
-                  "train_loss": float(np.mean(losses)) if losses else None,
-                  **train_mod.evaluate(stats, params, heldout, rows=tc.batch_rows)}
-        with open(os.path.join(tc.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(result) + "\n")
-        log("eval " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in result.items()))
-        losses.clear()
+    def save(step: int, result: dict, params) -> None:
         save_feature_draft(os.path.join(tc.out_dir, "draft"), cfg, params,
-                           target.tokenizer.fingerprint, extra={"step": step, **result})
+                           target.tokenizer.fingerprint, extra=result)
 
-    if step == 0:
-        evaluate()  # the untrained draft, as the baseline of the run
-    while step < tc.steps and (deadline is None or time.time() < deadline):
-        batch = train_mod.pick_batch(data, step, tc.batch_rows, tc.seed)
-        trainable, opt_state, loss, _ = train_step(trainable, frozen, opt_state, batch)
-        step += 1
-        losses.append(float(loss))
-        if step % tc.checkpoint_every == 0:
-            train_mod.save_checkpoint(ckpt, step, trainable, opt_state)
-        if step % tc.eval_every == 0:
-            evaluate()
-        elif step % 10 == 0:
-            log(f"step {step} loss {np.mean(losses[-10:]):.3f} {(time.time() - start) / 60:.1f} min")
-    train_mod.save_checkpoint(ckpt, step, trainable, opt_state)
-    if not result or result["step"] != step:
-        evaluate()
-    return result
+    return train_mod.train(tc, cfg, trainable, frozen, data, heldout, tc.out_dir, log,
+                           on_eval=save, fns=lambda opt: make_fns(cfg, tc, opt))

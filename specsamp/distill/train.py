@@ -212,13 +212,17 @@ def load_checkpoint(path: str, trainable, opt_state):
 def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: dict,
           out_dir: str, log: Callable[[str], None] = print,
           on_eval: Callable[[int, dict, dict], None] | None = None,
-          until: int | None = None, refresh: Callable[[], dict] | None = None) -> dict:
+          until: int | None = None, refresh: Callable[[], dict] | None = None,
+          fns: Callable | None = None) -> dict:
     """Train from the latest checkpoint in out_dir (or from `trainable`); returns the last
     evaluation. Metrics go to out_dir/metrics.jsonl, one line per evaluation. `until` stops
     early at that step (as an interrupted run would), leaving a checkpoint to resume.
     `refresh()` (optional) is called after each evaluation and returns the training data
     again, grown by a data stage running beside training; batches then depend on what had
-    arrived, so such a run is not bit-for-bit reproducible (one without refresh is)."""
+    arrived, so such a run is not bit-for-bit reproducible (one without refresh is).
+    `fns(opt) -> (train_step, stats)` (optional) replaces the wide draft's loss and
+    statistics (`make_fns`): the feature-conditioned draft trains through the same loop.
+    `cfg` needs TrainConfig's schedule and loop fields (steps, batch_rows, seed, ...)."""
     opt = optimizer(cfg)
     opt_state = opt.init(trainable)
     ckpt = os.path.join(out_dir, "checkpoint.npz")
@@ -226,11 +230,15 @@ def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: d
     if os.path.exists(ckpt):
         step, trainable, opt_state = load_checkpoint(ckpt, trainable, opt_state)
         log(f"resumed from {ckpt} at step {step}")
-    subset = token_subset(data, cfg.train_vocab) if cfg.train_vocab else None
-    if subset is not None:
-        log(f"training head: {len(subset)} tokens covering "
-            f"{_coverage(data, subset):.3f} of the teacher's top-k mass")
-    train_step, stats_fn = make_fns(draft_cfg, cfg.tv_weight, opt, subset)
+    if fns is None:
+        subset = token_subset(data, cfg.train_vocab) if cfg.train_vocab else None
+        if subset is not None:
+            log(f"training head: {len(subset)} tokens covering "
+                f"{_coverage(data, subset):.3f} of the teacher's top-k mass")
+        train_step, stats_fn = make_fns(draft_cfg, cfg.tv_weight, opt, subset)
+    else:
+        subset = None
+        train_step, stats_fn = fns(opt)
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.time()
     deadline = t_start + 60 * cfg.max_minutes if cfg.max_minutes else None
@@ -244,7 +252,8 @@ def train(cfg: TrainConfig, draft_cfg, trainable, frozen, data: dict, heldout: d
         result = {"step": step, "epoch": step * cfg.batch_rows / len(data["tokens"]),
                   "train_positions": positions, "train_loss": float(np.mean(losses)) if losses else None,
                   "train_alpha": float(np.mean(alphas)) if alphas else None,
-                  "minutes": (time.time() - t_start) / 60, **evaluate(stats_fn, params, heldout)}
+                  "minutes": (time.time() - t_start) / 60,
+                  **evaluate(stats_fn, params, heldout, rows=cfg.batch_rows)}
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(result) + "\n")
         log("eval " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
