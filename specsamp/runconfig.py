@@ -173,11 +173,12 @@ def _check_setting(draft, k, where: str) -> Setting:
         return Setting("none", 0)
     try:
         kind, arg = parse_draft(draft)
-        if kind in ("model", "hybrid"):
-            _check_path(resolve(arg if kind == "model" else arg[1]), "draft", where)
-        return Setting(draft, check_k(k))
+        setting = Setting(draft, check_k(k))
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+    if kind in ("model", "hybrid"):
+        _check_path(resolve(arg if kind == "model" else arg[1]), "draft", where)
+    return setting
 
 
 def _check_path(path: str, what: str, where: str) -> None:

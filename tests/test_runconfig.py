@@ -49,6 +49,8 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"settings": [{"draft": "ngram", "k": 4}, {"draft": "ngram", "k": [4]}]}, "twice"),
     ({"settings": [{"draft": "/no/such/draft", "k": 4}]}, "does not exist"),
     ({"settings": [{"draft": "early-exit", "k": 4}]}, "layer count"),
+    ({"settings": [{"draft": "ngram+/no/such/draft", "k": 4}]}, "does not exist"),
+    ({"settings": [{"draft": "ngram+ngram", "k": 4}]}, "hybrid"),
     ({"settings": [{"draft": "ngram", "kk": 4}]}, "setting"),
     ({"sampling": {"temperature": -1}}, "temperature"),
     ({"sampling": {"top_p": 0}}, "top-p"),
@@ -64,8 +66,9 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"workers": {"gpus": 1}}, "workers"),
 ])
 def test_mistakes_are_user_errors(changes, words):
-    with pytest.raises(UserError, match=words):
+    with pytest.raises(UserError, match=words) as error:
         make(**changes)
+    assert str(error.value).count("test.yaml") == 1  # where, said once
 
 
 def test_missing_required_key():
