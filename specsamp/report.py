@@ -6,8 +6,13 @@ groups and applies two formulas:
 - Speed-up of a speculative group = mean ms/token of its autoregressive baseline / its own
   mean ms/token. The baseline is the autoregressive group with equal values of every
   grouping key except mode, k and draft (so the same dataset and sampling settings). Its
-  95% interval is the delta method on the log of the ratio of two independent means:
-  se(log R)^2 = sd_b^2 / (n_b m_b^2) + sd_s^2 / (n_s m_s^2), interval R exp(+-1.96 se).
+  95% interval is the delta method on the log of the ratio of two means. When every sample
+  of both groups pairs up with one of the other (same prompt id, seed, sampling settings
+  and run: the same prompt decoded both ways) it is paired, which removes the spread of
+  prompt lengths and difficulty that both sides share:
+  se(log R)^2 = (v_b / m_b^2 + v_s / m_s^2 - 2 cov_bs / (m_b m_s)) / n;
+  otherwise the two means are taken as independent:
+  se(log R)^2 = v_b / (n_b m_b^2) + v_s / (n_s m_s^2). Interval: R exp(+-1.96 se).
   It needs two or more samples on each side; otherwise it is n/a.
 - Two acceptance figures. `acceptance_rate` is token-weighted: accepted draft tokens /
   drafted tokens. `alpha` is the cost model's per-token acceptance probability: accepted /
@@ -187,6 +192,50 @@ def ratio_ci(base: Summary, spec: Summary, z: float = Z95) -> tuple[float | None
     return ratio * math.exp(-z * se), ratio * math.exp(z * se)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """ms/token of a speculative group's samples paired with their baseline samples."""
+
+    n: int
+    var_base: float | None
+    var_spec: float | None
+    cov: float | None
+
+
+# Columns that identify the same prompt decoded both ways (modes differ in nothing else).
+_PAIR_ON = ("id", "dataset", "target", "temperature", "top_k", "top_p", "seed", "run_id")
+
+
+def _paired(con, by) -> dict:
+    """{group key: Pairs} for speculative groups, over (speculative, baseline) row pairs."""
+    if "mode" not in by:
+        return {}
+    on = ", ".join(_PAIR_ON)
+    sql = f"""
+        WITH s AS (SELECT {sql_columns(by)}, {on}, ms_per_token AS _m FROM completions
+                   WHERE mode = 'speculative'),
+             b AS (SELECT {on}, ms_per_token AS _m FROM completions WHERE mode = 'autoregressive')
+        SELECT {", ".join(f's."{k}"' for k in by)}, count(*), var_samp(b._m), var_samp(s._m),
+               covar_samp(b._m, s._m)
+        FROM s JOIN b USING ({on}) GROUP BY ALL"""
+    return {tuple(row[: len(by)]): Pairs(int(row[-4]), *(_num(x) for x in row[-3:]))
+            for row in con.execute(sql).fetchall()}
+
+
+def paired_ratio_ci(base: Summary, spec: Summary, pairs: Pairs | None,
+                    z: float = Z95) -> tuple[float | None, float | None]:
+    """Paired delta-method interval for base.mean / spec.mean when every sample is in
+    exactly one pair; otherwise the independent one (`ratio_ci`)."""
+    if (pairs is None or pairs.n != base.n or pairs.n != spec.n or pairs.n < 2
+            or None in (pairs.var_base, pairs.var_spec, pairs.cov) or not base.mean or not spec.mean):
+        return ratio_ci(base, spec, z)
+    mb, ms = base.mean, spec.mean
+    var = (pairs.var_base / mb**2 + pairs.var_spec / ms**2 - 2 * pairs.cov / (mb * ms)) / pairs.n
+    se = math.sqrt(max(var, 0.0))
+    ratio = mb / ms
+    return ratio * math.exp(-z * se), ratio * math.exp(z * se)
+
+
 def predicted_speedup(a: float | None, k: int | None, c: float | None) -> float | None:
     """(1 - a^(K+1)) / ((1 - a)(K c + 1)); (K+1)/(K c + 1) at a = 1."""
     if a is None or not k or c is None:
@@ -200,7 +249,7 @@ def baseline_key(key: dict) -> tuple:
     return tuple((k, v) for k, v in key.items() if k not in _BASELINE_FREE)
 
 
-def _attach_speedups(groups: list[Group]) -> None:
+def _attach_speedups(groups: list[Group], pairs: dict | None = None) -> None:
     for g in groups:
         g.predicted_speedup = predicted_speedup(g.alpha, g.k, g.cost_ratio)
     if not groups or "mode" not in groups[0].key:
@@ -213,7 +262,8 @@ def _attach_speedups(groups: list[Group]) -> None:
             continue
         b, s = base.ms_per_token, g.ms_per_token
         if b.mean and s.mean:
-            g.speedup = SpeedUp(b.mean / s.mean, *ratio_ci(b, s), baseline=base.key)
+            ci = paired_ratio_ci(b, s, (pairs or {}).get(tuple(g.key.values())))
+            g.speedup = SpeedUp(b.mean / s.mean, *ci, baseline=base.key)
 
 
 def summarize(con, by=DEFAULT_BY) -> list[Group]:
@@ -222,7 +272,7 @@ def summarize(con, by=DEFAULT_BY) -> list[Group]:
     _attach_loops(con, by, groups)
     _attach_errors(con, by, groups)
     ordered = [groups[k] for k in sorted(groups, key=group_sort_key)]
-    _attach_speedups(ordered)
+    _attach_speedups(ordered, _paired(con, by))
     return ordered
 
 

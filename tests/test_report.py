@@ -196,3 +196,46 @@ def test_cli_json_and_plots(sweep, tmp_path_factory, capsys):
     for name in ("ms_per_token_vs_k.png", "accepted_per_loop.png", "acceptance_by_position.png"):
         blob = (out / name).read_bytes()
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 10_000
+
+
+def test_paired_interval_covers_true_ratio_and_is_tighter():
+    """Prompts differ a lot in ms/token, shared by both modes; the paired interval removes
+    that spread: it covers the true ratio about 95% of the time and is much narrower."""
+    rng = np.random.default_rng(1)
+    trials, n, true = 600, 24, 1.5  # E[b] / E[s] = true: both carry the same noise law
+    hits, widths = 0, []
+    for _ in range(trials):
+        prompt = rng.lognormal(np.log(20), 0.5, n)  # per-prompt cost, shared
+        b = prompt * rng.lognormal(0, 0.05, n)
+        s = prompt / true * rng.lognormal(0, 0.05, n)
+        summ = [report.Summary(n, x.mean(), x.std(ddof=1), *([None] * 4)) for x in (b, s)]
+        pairs = report.Pairs(n, b.var(ddof=1), s.var(ddof=1), np.cov(b, s, ddof=1)[0, 1])
+        low, high = report.paired_ratio_ci(*summ, pairs)
+        hits += low <= true <= high
+        ind_low, ind_high = report.ratio_ci(*summ)
+        widths.append((high - low) / (ind_high - ind_low))
+    assert 0.91 <= hits / trials <= 0.98
+    assert np.median(widths) < 0.3
+
+
+def test_report_pairs_samples_by_prompt(tmp_path):
+    """Through DuckDB: the same prompts decoded both ways give the paired interval; an
+    unpaired baseline (other ids) falls back to the independent one."""
+    rng = np.random.default_rng(3)
+    ar, spec, other = [], [], []
+    for i in range(10):
+        tokens = int(rng.integers(20, 60))
+        base_s = tokens * float(rng.uniform(0.01, 0.05))
+        ar.append(completion_row(i, mode="autoregressive", tokens=tokens, decode_s=base_s))
+        spec.append(completion_row(i, k=4, accepted=[4] * (tokens // 5), decode_s=base_s / 1.5))
+        other.append(completion_row(100 + i, mode="autoregressive", tokens=tokens, decode_s=base_s))
+    paired = _by_key(_summarize([write(tmp_path / "a.parquet", ar + spec)]))[("speculative", 4)]
+    unpaired = _by_key(_summarize([write(tmp_path / "b.parquet", other + spec)]))[("speculative", 4)]
+    b = np.array([r["ms_per_token"] for r in ar])
+    sv = np.array([r["ms_per_token"] for r in spec])
+    summ = [report.Summary(10, x.mean(), x.std(ddof=1), *([None] * 4)) for x in (b, sv)]
+    expected = report.paired_ratio_ci(*summ, report.Pairs(10, b.var(ddof=1), sv.var(ddof=1),
+                                                          np.cov(b, sv, ddof=1)[0, 1]))
+    assert (paired.speedup.low, paired.speedup.high) == pytest.approx(expected, rel=1e-6)
+    assert (unpaired.speedup.low, unpaired.speedup.high) == pytest.approx(report.ratio_ci(*summ), rel=1e-6)
+    assert paired.speedup.high - paired.speedup.low < 0.5 * (unpaired.speedup.high - unpaired.speedup.low)
