@@ -56,7 +56,7 @@ COMPLETIONS = pa.schema(
         _f("stop_reason", pa.string(), "'eos', 'stop' (stop string or id) or 'max_tokens'."),
         *_RUN_FIELDS,
         _f("target_calls", pa.int32(), "Target model calls in decoding (loops)."),
-        _f("draft_calls", pa.int32(), "Draft model calls in decoding (K per loop; 0 for n-gram)."),
+        _f("draft_calls", pa.int32(), "Draft model calls in decoding (K per loop; 0 for n-gram; a hybrid: 1 in lookup loops)."),
         _f("accepted_per_loop", pa.list_(pa.int32()), "Accepted draft tokens in each loop (0..K)."),
         _f("acceptance_rate", pa.float64(), "Accepted draft tokens / drafted tokens (NaN for autoregressive)."),
         _f("tokens_per_call", pa.float64(), "Generated tokens / target calls."),
