@@ -40,7 +40,7 @@ def run(args) -> int:
     s = c.stats()
     status(
         f"\n--- {s['generated_tokens']} tokens, stop: {s['stop_reason']}, mode: {s['mode']}"
-        + (f", K={c.k}" if c.k else "")
+        + (f", drafter {gen.draft_id}, K={c.k}" if c.k else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
         f"tokens/call {s['tokens_per_call']:.2f}"
         + (f", acceptance {s['acceptance_rate']:.2f}" if c.k else "")
