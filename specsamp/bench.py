@@ -152,12 +152,12 @@ def _row(k, sp, ar_ms, timings, gen) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'drafter':>14} {'K':>2} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
+    head = (f"{'drafter':>21} {'K':>2} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
             f"{'speed-up':>8} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'c':>5} {'pred':>5} {'pred*':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['drafter'][-14:]:>14} {r['k']:>2} {r['temperature']:>4.1f} {r['top_p']:>5.2f} "
+            f"{r['drafter'][-21:]:>21} {r['k']:>2} {r['temperature']:>4.1f} {r['top_p']:>5.2f} "
             f"{r['ar_ms_per_token']:>9.1f} {r['spec_ms_per_token']:>11.1f} {r['speedup']:>7.2f}x "
             f"{r['acceptance_rate']:>6.2f} {r['alpha']:>5.2f} {r['tokens_per_call']:>8.2f} {r['cost_ratio']:>5.2f} "
             f"{r['predicted_speedup']:>5.2f} {r['predicted_speedup_scoring']:>5.2f}"
