@@ -36,17 +36,18 @@ class Summary:
     error_kinds: dict
 
     def text(self) -> str:
+        width = max([5] + [len(s.draft) for s in self.settings])
         lines = [
             f"tables in {self.output} (this run: {self.this_run} samples):",
             f"  {storage.join(self.output, 'completions-*.parquet')}  {self.completions} rows",
             f"  {storage.join(self.output, 'errors-*.parquet')}  {self.errors} rows"
             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))})" if self.errors else ""),
-            f"{'mode':15s} {'draft':>14s} {'K':>2s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
+            f"{'mode':15s} {'draft':>{width}s} {'K':>2s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
             f"{'ms/token':>9s} {'speed-up':>8s}",
         ]
         base = next((s.ms_per_token for s in self.settings if s.mode == "autoregressive"), math.nan)
         for s in self.settings:
-            lines.append(f"{s.mode:15s} {s.draft:>14s} {s.k:2d} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
+            lines.append(f"{s.mode:15s} {s.draft:>{width}s} {s.k:2d} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
                          f"{_fmt(s.tokens_per_call, 8, 2)} {_fmt(s.ms_per_token, 9, 1)} "
                          f"{_fmt(_ratio(base, s.ms_per_token), 8, 2, 'x')}")
         if not math.isnan(base):
