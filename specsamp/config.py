@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from specsamp.drafts import resolve
 from specsamp.errors import UserError
 
 
@@ -61,7 +62,8 @@ DRAFT_FORMS = "'auto', 'none', 'ngram[:N]', 'early-exit:L', a path, a shipped dr
 
 def parse_draft(draft: str) -> tuple[str, object]:
     """'auto' (the best known drafter for the target) | 'none' | 'ngram[:N]' | 'early-exit:L' | path | shipped name | 'ngram[:N]+<path or name>'
-    -> (kind, argument); the hybrid's argument is (N, path or name)."""
+    -> (kind, argument); the hybrid's argument is (N, path). A shipped draft's name comes
+    back as its folder (`specsamp.drafts.resolve`): callers see paths only."""
     if not isinstance(draft, str) or not draft:
         raise UserError(f"draft must be {DRAFT_FORMS}, got {draft!r}")
     if draft in ("none", "auto"):
@@ -71,7 +73,7 @@ def parse_draft(draft: str) -> tuple[str, object]:
         kind, n = parse_draft(lookup)
         if kind != "ngram" or not model or parse_draft(model)[0] != "model":
             raise UserError(f"a hybrid drafter is 'ngram[:N]+<feature draft path or name>', got {draft!r}")
-        return "hybrid", (n, model)
+        return "hybrid", (n, resolve(model))
     if draft == "ngram" or draft.startswith("ngram:"):
         n = draft.partition(":")[2] or "3"
         if not n.isdigit() or not 1 <= int(n) <= 8:
@@ -82,7 +84,7 @@ def parse_draft(draft: str) -> tuple[str, object]:
         if not layers.isdigit() or int(layers) < 1:
             raise UserError(f"early exit needs a layer count, e.g. early-exit:2, got {draft!r}")
         return "early-exit", int(layers)
-    return "model", draft
+    return "model", resolve(draft)
 
 
 def seed_for(base_seed: int, prompt_id: str) -> int:

@@ -17,7 +17,7 @@ import jax
 from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
 from specsamp.decode import Program
 from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.drafts import default_draft, resolve
+from specsamp.drafts import default_draft
 from specsamp.engine import Engine, enable_compilation_cache
 from specsamp.errors import UserError
 from specsamp.results import Completion
@@ -101,13 +101,13 @@ class Generator:
             draft_params = _slice_layers(self.target.params, arg)
         elif kind == "hybrid":
             n, path = arg
-            if not is_feature_draft(resolve(path)):
+            if not is_feature_draft(path):
                 raise UserError(f"'ngram+<draft>' needs a feature-conditioned draft (a folder "
                                 f"written by specsamp distill), got {path!r}")
-            draft_cfg, draft_params = load_feature_draft(resolve(path), self.target)
+            draft_cfg, draft_params = load_feature_draft(path, self.target)
             drafter = HybridDrafter(NgramDrafter(k, cfg.vocab_size, n), FeatureDrafter(draft_cfg, k, sp))
-        elif kind == "model" and is_feature_draft(resolve(arg)):
-            draft_cfg, draft_params = load_feature_draft(resolve(arg), self.target)
+        elif kind == "model" and is_feature_draft(arg):
+            draft_cfg, draft_params = load_feature_draft(arg, self.target)
             drafter = FeatureDrafter(draft_cfg, k, sp)
         elif kind == "model":
             draft = load_model_once(arg)

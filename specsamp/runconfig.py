@@ -18,7 +18,6 @@ import json
 import os
 
 from specsamp.config import DRAFT_FORMS, SamplingParams, check_k, parse_draft
-from specsamp.drafts import resolve
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
@@ -177,7 +176,7 @@ def _check_setting(draft, k, where: str) -> Setting:
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     if kind in ("model", "hybrid"):
-        _check_path(resolve(arg if kind == "model" else arg[1]), "draft", where)
+        _check_path(arg if kind == "model" else arg[1], "draft", where)
     return setting
 
 

@@ -80,7 +80,9 @@ def test_malformed_hybrid_drafts_are_user_errors(bad):
 
 
 def test_auto_picks_the_shipped_draft_only_for_the_embedded_target():
-    assert parse_draft("ngram:2+smollm2-feature") == ("hybrid", (2, "smollm2-feature"))
+    assert parse_draft("ngram:2+smollm2-feature") == ("hybrid", (2, resolve("smollm2-feature")))
+    assert parse_draft("smollm2-feature") == ("model", resolve("smollm2-feature"))
+    assert parse_draft("/my/draft") == ("model", "/my/draft")
     assert default_draft(None) == default_draft("smollm2") == "ngram+smollm2-feature"
     assert default_draft("/models/other.gguf") == "ngram"
     manifest = os.path.join(resolve("smollm2-feature"), "specsamp_draft.json")
