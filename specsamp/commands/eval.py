@@ -10,9 +10,17 @@ def register(subparsers) -> None:
         "eval",
         help="HumanEval pass@1 (sandboxed execution) and XSum ROUGE per group, with parity",
         description="Score completion tables: HumanEval rows by running each program in a "
-        "separate sandboxed process (no network, read-only files outside a temporary dir, "
-        "time and memory limits); rows with a reference summary by ROUGE-1/2/L. Each "
-        "speculative group is compared with its autoregressive baseline.",
+        "bubblewrap sandbox (new user, PID, network, IPC, UTS and mount namespaces; uid 65534 "
+        "without capabilities, no_new_privs, a seccomp filter refusing namespaces, mounts, "
+        "ptrace, pidfds and non-AF_UNIX sockets; only /usr and Python visible, read-only; a "
+        "private tmpfs /tmp; wall-clock, CPU, memory, file-size and process limits; everything "
+        "a program starts dies with it). A completion passes when its outputs on the test's "
+        "inputs, compared here with the canonical solution's, are right and the plain "
+        "HumanEval check passes too; disagreements are listed. Not enforced: reading the "
+        "visible files (/usr, the Python installation), CPU and memory use up to the limits, "
+        "kernel bugs. Without bubblewrap, user namespaces or seccomp, eval refuses unless "
+        "--unsafe-host-execution. Rows with a reference summary are scored by ROUGE-1/2/L. "
+        "Each speculative group is compared with its autoregressive baseline.",
     )
     p.add_argument("tables", nargs="+", metavar="TABLES",
                    help="completion tables: Parquet files, folders (searched recursively), globs, gs:// URLs")
@@ -22,6 +30,10 @@ def register(subparsers) -> None:
                    help="wall-clock seconds per HumanEval program (default 10)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="programs run at once (default: CPU count)")
+    p.add_argument("--unsafe-host-execution", action="store_true",
+                   help="where no sandbox can be set up, run HumanEval programs as plain child "
+                   "processes of this one (resource limits only: they can read and write your "
+                   "files, use the network and signal your processes); never for untrusted code")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_run)
 
@@ -31,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from specsamp import evaluation, outputs, report
     from specsamp.errors import UserError
-    from specsamp.sandbox import Limits
+    from specsamp.sandbox import Limits, SandboxUnavailable
 
     if not args.timeout > 0:
         raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
@@ -39,7 +51,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     by = report.parse_by(args.by)
     con = outputs.connect(outputs.resolve(args.tables))
-    groups, isolation = evaluation.score_tables(con, by, Limits(timeout_s=args.timeout), args.workers)
+    try:
+        groups, isolation = evaluation.score_tables(con, by, Limits(timeout_s=args.timeout), args.workers,
+                                                    unsafe=args.unsafe_host_execution)
+    except SandboxUnavailable as e:
+        raise UserError(f"cannot isolate HumanEval programs: {e} (or pass --unsafe-host-execution)") from None
     if args.json:
         print(json.dumps(evaluation.to_json(groups, isolation), indent=2))
     else:
