@@ -8,7 +8,20 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 VENV=${SPECSAMP_VENV:-.venv}
 
+# `specsamp eval` runs HumanEval programs in a bubblewrap sandbox with a libseccomp filter.
+sandbox_tools() {
+  if command -v bwrap >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+    return
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2 >/dev/null
+  else
+    echo "note: specsamp eval needs bubblewrap and libseccomp2 (apt-get install bubblewrap libseccomp2)" >&2
+  fi
+}
+
 setup() {
+  sandbox_tools
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi

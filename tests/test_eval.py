@@ -58,6 +58,30 @@ def test_unsafe_host_execution_scores_the_same():
     assert _run(P0["canonical_solution"]).isolation == ISOLATED
 
 
+def test_all_canonical_solutions_pass():
+    """All 164 canonical solutions pass both verdicts: catches a reference recorded wrongly,
+    a comparison stricter than the tests, or a sandbox that breaks a standard module."""
+    items = [(t, p, p["canonical_solution"]) for t, p in PROBLEMS.items()]
+    outcomes = evaluation.run_humaneval(items, SANDBOX, Limits(timeout_s=20), 2)
+    failed = [(t, o.status, o.detail) for (t, _, _), o in zip(items, outcomes)
+              if not (o.passed and o.differential and o.check)]
+    assert len(items) == 164 and failed == []
+
+
+def test_disagreement_is_reported(tmp_path, capsys):
+    """1/0 where the reference returns True/False passes HumanEval's `== True` check but not
+    the type-aware differential one: not counted, and listed as a disagreement."""
+    as_int = "    return int(any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:]))\n"
+    write(tmp_path / "completions-0.parquet", [completion_row(0, mode="autoregressive", id="HumanEval/0",
+                                                               completion=as_int)])
+    assert cli.main(["eval", str(tmp_path), "--json"]) == 0
+    group = json.loads(capsys.readouterr().out)["groups"][0]
+    assert group["metrics"]["pass@1"]["mean"] == 0.0
+    assert group["verdicts_disagree"] == [{"id": "HumanEval/0", "differential": False, "humaneval_check": True}]
+    assert cli.main(["eval", str(tmp_path)]) == 0
+    assert "HumanEval/0: differential fail, check pass" in capsys.readouterr().out
+
+
 def test_differential_comparison_is_type_aware():
     """bool is not int, tuple is not list; floats within 1e-6; find_zero accepts any root."""
     same = differential.same
