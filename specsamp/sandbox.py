@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -100,7 +101,10 @@ class Sandbox:
             sandbox_seccomp.filter_bpf()
         except sandbox_seccomp.SeccompUnavailable as e:
             raise SandboxUnavailable(f"no seccomp filter: {e}") from None
-        ex = self.exchange({"kind": "probe"}, Limits(timeout_s=20))
+        try:
+            ex = self.exchange({"kind": "probe"}, Limits(timeout_s=20))
+        except OSError as e:  # e.g. util-linux's unshare or setpriv missing
+            raise SandboxUnavailable(f"cannot start bubblewrap: {e}") from None
         if not ex.replies:
             why = ex.stderr.strip().splitlines()[-1:] or ["no reply"]
             raise SandboxUnavailable(f"bubblewrap could not start a sandbox: {why[0][:200]}")
@@ -144,15 +148,20 @@ class Sandbox:
         seccomp_fd = None
         if not self.isolated:
             env.update(HOME=workdir, TMPDIR=workdir)
-            argv = [python, "-I", "-S", "-B", "-c", source]
+            argv = [python, *_PYTHON_FLAGS, source]
         else:
             seccomp_fd = sandbox_seccomp.filter_fd()
-            argv = _bwrap_argv(self.bwrap, python, seccomp_fd, limits) + [python, "-I", "-S", "-B", "-c", source]
+            argv = _bwrap_argv(self.bwrap, seccomp_fd, limits) + [python, *_PYTHON_FLAGS, source]
             if os.geteuid() == 0:
                 argv = _as_nobody(argv, sys.base_prefix)
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=workdir, env=env, start_new_session=True,
-                                pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=workdir, env=env, start_new_session=True,
+                                    pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+        except OSError:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+            raise
         return proc, seccomp_fd
 
 
@@ -169,12 +178,19 @@ def choose_sandbox(unsafe: bool) -> Sandbox:
     return sandbox
 
 
+# No user site, no site module (standard library only), no .pyc writes, no script folder on
+# sys.path. Not -I: it would ignore PYTHONHASHSEED, and reference and candidate must iterate
+# sets of strings in the same order; the environment is ours alone anyway.
+_PYTHON_FLAGS = ("-s", "-S", "-B", "-P", "-c")
+
+
+@functools.lru_cache(maxsize=1)
 def _driver_source() -> str:
     with open(_DRIVER, encoding="utf-8") as f:
         return f.read()
 
 
-def _bwrap_argv(bwrap: str, python: str, seccomp_fd: int, limits: Limits) -> list[str]:
+def _bwrap_argv(bwrap: str, seccomp_fd: int, limits: Limits) -> list[str]:
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
