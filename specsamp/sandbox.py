@@ -58,14 +58,14 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     """What one program may use."""
 
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # wall clock for each reply (a candidate sends two)
     memory_mb: int = 2048
     file_mb: int = 16
     tmp_mb: int = 64
     processes: int = 64
 
     def for_driver(self) -> dict:
-        return {"cpu_s": int(self.timeout_s) + 1, "memory_mb": self.memory_mb,
+        return {"cpu_s": int(2 * self.timeout_s) + 1, "memory_mb": self.memory_mb,
                 "file_mb": self.file_mb, "processes": self.processes}
 
 
@@ -114,9 +114,8 @@ class Sandbox:
 
     def exchange(self, first: dict, limits: Limits, follow=None) -> Exchange:
         """Start the driver, send `first`, read a reply; while `follow(replies)` returns a
-        frame, send it and read another. All within `limits.timeout_s` of wall clock."""
+        frame, send it and read another. Each reply must come within `limits.timeout_s`."""
         start = time.monotonic()
-        deadline = start + limits.timeout_s
         # Sandboxed programs work in their own tmpfs; only unisolated ones need a host folder.
         with contextlib.nullcontext("/") if self.isolated else tempfile.TemporaryDirectory(
                 prefix="specsamp-eval-") as workdir:
@@ -124,9 +123,10 @@ class Sandbox:
             proc, seccomp_fd = self._start(limits, workdir)
             replies, timed_out = [], False
             try:
-                channel = _Channel(proc, deadline)
+                channel = _Channel(proc)
                 frame = first
                 while frame is not None:
+                    channel.deadline = time.monotonic() + limits.timeout_s
                     channel.send(frame)
                     reply = channel.recv()
                     if reply is None:
@@ -275,10 +275,10 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 class _Channel:
-    """Frames over the driver's stdin and stdout, every read and write under one deadline."""
+    """Frames over the driver's stdin and stdout, every read and write under `deadline`."""
 
-    def __init__(self, proc: subprocess.Popen, deadline: float):
-        self.proc, self.deadline, self.timed_out = proc, deadline, False
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.deadline, self.timed_out = proc, time.monotonic(), False
         self.win, self.rout = proc.stdin.fileno(), proc.stdout.fileno()
         os.set_blocking(self.win, False)
         os.set_blocking(self.rout, False)

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--by", default=None, metavar="KEYS",
                    help="comma-separated grouping keys (default dataset,mode,k,temperature)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                   help="wall-clock seconds per HumanEval program (default 10)")
+                   help="wall-clock seconds per HumanEval program for each of its two runs, "
+                   "the outputs and the plain check (default 10)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="programs run at once (default: CPU count)")
     p.add_argument("--unsafe-host-execution", action="store_true",
