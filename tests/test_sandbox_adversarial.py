@@ -22,6 +22,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -426,3 +427,19 @@ def test_probe_rejects_a_weak_sandbox():
     weak = {"uid": 0, "CapEff": "000001ffffffffff", "CapPrm": "0", "NoNewPrivs": "0", "Seccomp": "0",
             "pids": 40, "net": ["lo", "eth0"]}
     assert len(_probe_problems(weak)) == 6
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_refuses_in_a_container_without_cap_sys_admin(tmp_path):
+    """Run as root without CAP_SYS_ADMIN (a default container), where namespaces used to be
+    skipped silently: eval now refuses with one line and exit status 2."""
+    write(tmp_path / "completions-0.parquet", [completion_row(0, mode="autoregressive", id=TASK,
+                                                              completion=PROBLEM["canonical_solution"])])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    env.pop("SPECSAMP_BWRAP", None)
+    done = subprocess.run(["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable,
+                           "-m", "specsamp.cli", "eval", str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=repo, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "cannot isolate" in done.stderr
