@@ -207,7 +207,9 @@ def _bwrap_argv(bwrap: str, seccomp_fd: int, limits: Limits) -> list[str]:
     for hidden in _hidden_packages():
         argv += ["--tmpfs", hidden]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20),
-             "--tmpfs", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp_fd)]
+             "--tmpfs", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp_fd),
+             # bwrap's own root and /dev are unbounded tmpfs: read-only, only /tmp has room
+             "--remount-ro", "/dev", "--remount-ro", "/"]
     return argv
 
 

@@ -56,6 +56,20 @@ def attempts():
     t("etc_shadow", lambda: len(open("/etc/shadow").read()))
     t("write_usr", lambda: open("/usr/probe", "w").fileno())
     t("chroot", lambda: sys_(libc.chroot(b"/tmp")))
+    t("write_root", lambda: open("/probe", "w").fileno())
+    t("write_dev_shm", lambda: open("/dev/shm/probe", "w").fileno())
+    def fill_tmp():
+        written = 0
+        try:
+            for i in range(100):  # 100 files of up to 15 MiB: past the tmpfs size
+                with open("/tmp/fill%d" % i, "wb") as f:
+                    for _ in range(15):
+                        f.write(b"x" * (1 << 20))
+                        written += 1
+        except OSError:
+            pass
+        return written
+    t("tmp_mib_written", fill_tmp)
     r["uid"] = os.getuid()
     r["visible_pids"] = len([p for p in os.listdir("/proc") if p.isdigit()])
     status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
@@ -82,6 +96,8 @@ def test_escape_syscalls_are_refused():
     for name in ("inet", "inet6", "netlink"):
         assert r[name] == eafnosupport, (name, r[name])
     assert r["etc_shadow"] == enoent and r["write_usr"] == erofs
+    assert r["write_root"] == erofs and r["write_dev_shm"] == erofs  # no unbounded tmpfs to fill
+    assert 0 < r["tmp_mib_written"] <= Limits().tmp_mb
     assert (r["uid"], r["caps"].strip("0"), r["no_new_privs"], r["seccomp"]) == (65534, "", "1", "2")
     assert r["visible_pids"] <= 2  # bubblewrap's init and the driver: no host process
 
