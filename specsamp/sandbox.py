@@ -14,8 +14,8 @@ Isolation (`Sandbox.isolated`), all set up before any program code runs:
 - The driver is PID 1's only child in its PID namespace, and bwrap dies with the launcher:
   when the wall-clock limit passes, killing the launcher's process group ends every process
   the program started, daemons and pipe holders included; reads have deadlines.
-- Resource limits (CPU, address space, file size, open files, processes) are set by the
-  driver before the program runs.
+- Resource limits (CPU, address space, file size, open files, no new processes or threads)
+  are set by the driver before the program runs.
 `Sandbox.probe` checks all of this from inside a sandbox before a run starts; without it,
 `specsamp eval` refuses unless told `--unsafe-host-execution` (then programs run as plain
 child processes with the resource limits only).
@@ -42,6 +42,7 @@ from specsamp import sandbox_seccomp
 
 _DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_driver.py")
 NOBODY = 65534
+SANDBOX_TASKS = 2  # bubblewrap's init (PID 1) and the driver
 MAX_REPLY = 8 << 20  # bytes in one frame from the sandbox
 ISOLATED = ("bubblewrap: user, PID, network, IPC, UTS and mount namespaces; uid 65534 without "
             "capabilities, no_new_privs; seccomp filter; read-only /usr and Python, tmpfs /tmp")
@@ -62,11 +63,18 @@ class Limits:
     memory_mb: int = 2048
     file_mb: int = 16
     tmp_mb: int = 64
-    processes: int = 64
+    # Processes and threads a program may start: none, as in HumanEval's own harness; this
+    # also bounds its memory to one address space. Tests raise it to check that the PID
+    # namespace alone ends whatever a program started.
+    new_processes: int = 0
 
-    def for_driver(self) -> dict:
+    def for_driver(self, isolated: bool) -> dict:
+        # RLIMIT_NPROC counts this uid's tasks in the sandbox's user namespace: bubblewrap's
+        # init and the driver (the start-up probe checks no other is there). Unisolated, it
+        # counts all of the user's processes, so 0 forbids new ones (root is exempt).
+        nproc = SANDBOX_TASKS + self.new_processes if isolated else self.new_processes
         return {"cpu_s": int(2 * self.timeout_s) + 1, "memory_mb": self.memory_mb,
-                "file_mb": self.file_mb, "processes": self.processes}
+                "file_mb": self.file_mb, "processes": nproc}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,7 @@ class Sandbox:
         # Sandboxed programs work in their own tmpfs; only unisolated ones need a host folder.
         with contextlib.nullcontext("/") if self.isolated else tempfile.TemporaryDirectory(
                 prefix="specsamp-eval-") as workdir:
-            first = {**first, "limits": limits.for_driver(), "workdir": None if self.isolated else workdir}
+            first = {**first, "limits": limits.for_driver(self.isolated), "workdir": None if self.isolated else workdir}
             proc, seccomp_fd = self._start(limits, workdir)
             replies, timed_out = [], False
             try:
@@ -244,7 +252,7 @@ def _probe_problems(reply: dict) -> list[str]:
         wrong.append("no_new_privs unset")
     if reply.get("Seccomp") != "2":
         wrong.append("no seccomp filter")
-    if reply.get("pids", 99) > 2:
+    if reply.get("pids", 99) > SANDBOX_TASKS:
         wrong.append(f"{reply.get('pids')} processes visible")
     if set(reply.get("net", [])) - {"lo"}:
         wrong.append(f"network interfaces {reply.get('net')}")

@@ -34,7 +34,9 @@ PROBLEM = read_problems()[TASK]
 WRONG = "def add(x: int, y: int):\n    return x - y\n"
 MARK = f"specsamp-probe-{uuid.uuid4().hex[:12]}"
 SLEEP_MARK = f"{random.randint(3000, 3999)}.{random.randint(10 ** 8, 10 ** 9 - 1)}"  # unique `sleep` argument
-LIMITS = Limits(timeout_s=4)
+# Forks allowed here (the default allows none), so that the PID namespace alone must end
+# daemons, pipe holders and fork bombs.
+LIMITS = Limits(timeout_s=4, new_processes=16)
 
 
 def _attack(body: str) -> str:

@@ -40,6 +40,8 @@ def attempts():
             r[name] = fn()
         except OSError as e:
             r[name] = -abs(e.errno or 1)
+        except RuntimeError as e:  # threading's "can't start new thread"
+            r[name] = type(e).__name__
     def sys_(ret):
         return ret if ret >= 0 else -ctypes.get_errno()
     t("setns", lambda: sys_(libc.setns(os.open("/proc/self/ns/net", os.O_RDONLY), 0)))
@@ -56,6 +58,8 @@ def attempts():
     t("etc_shadow", lambda: len(open("/etc/shadow").read()))
     t("write_usr", lambda: open("/usr/probe", "w").fileno())
     t("chroot", lambda: sys_(libc.chroot(b"/tmp")))
+    t("fork", lambda: os.fork() or os._exit(0))
+    t("thread", lambda: __import__("threading").Thread(target=print).start())
     t("write_root", lambda: open("/probe", "w").fileno())
     t("write_dev_shm", lambda: open("/dev/shm/probe", "w").fileno())
     def fill_tmp():
@@ -96,6 +100,7 @@ def test_escape_syscalls_are_refused():
     for name in ("inet", "inet6", "netlink"):
         assert r[name] == eafnosupport, (name, r[name])
     assert r["etc_shadow"] == enoent and r["write_usr"] == erofs
+    assert (r["fork"], r["thread"]) == (-11, "RuntimeError")  # EAGAIN: no new processes or threads
     assert r["write_root"] == erofs and r["write_dev_shm"] == erofs  # no unbounded tmpfs to fill
     assert 0 < r["tmp_mib_written"] <= Limits().tmp_mb
     assert (r["uid"], r["caps"].strip("0"), r["no_new_privs"], r["seccomp"]) == (65534, "", "1", "2")
