@@ -78,7 +78,11 @@ def build_solution(problem: dict, completion: str) -> str:
 
 def build_program(problem: dict, completion: str) -> str:
     """The plain HumanEval test program for one problem and completion (rules 1 to 3)."""
-    return f"{build_solution(problem, completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return _with_test(problem, build_solution(problem, completion))
+
+
+def _with_test(problem: dict, solution: str) -> str:
+    return f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +112,7 @@ def run_humaneval(items: list[tuple[str, dict, str]], sandbox: Sandbox, limits: 
     def one(key: tuple[str, str]) -> Outcome:
         task, solution = key
         problem, ref = problems[task], refs[task]
-        program = f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        program = _with_test(problem, solution)
         first = {"kind": "candidate", "program": solution, "entry": problem["entry_point"],
                  "inputs": ref.inputs}
         ex = sandbox.exchange(first, limits, lambda r: {"program": program} if len(r) == 1 else None)
