@@ -57,6 +57,8 @@ def test_errors_carry_the_reason(env):
     assert "good/0" in done_ids  # was batched with "boom"
     boom = [r for r in failed if r["id"] == "boom"]
     assert all("injected engine failure" in r["error"] for r in boom)
+    bad = {r["id"]: r["error"] for r in failed if r["error_kind"] == "bad_utf8"}
+    assert "mixed-2.parquet row 1" in bad["str/bad"] and "mixed-1.parquet row 1" in bad["bin/bad"]
     long = next(r for r in failed if r["id"] == "long")
     assert "tokens" in long["error"] and long["prompt"] == "zq" * 150
 

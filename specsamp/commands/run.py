@@ -43,9 +43,9 @@ def _run(args) -> int:
     from pipelines.generate import run
 
     argv = ["--config", args.config]
-    for flag in ("input", "output", "limit"):
+    for flag in ("input", "output", "limit", "retry_errors"):
         if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     summary = run(argv + args.beam_args)
     if summary is None:
         print("dry run: the job graph was built and not submitted", file=sys.stderr)
