@@ -97,6 +97,9 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
 
     def load_model(self) -> Generators:
+        from pipelines.stop import ignore_interrupts_in_worker
+
+        ignore_interrupts_in_worker()
         start = time.time()
         model = Generators(self._cfg, self._loader)
         _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")

@@ -2,9 +2,11 @@
 
 Beam catches and wraps exceptions raised inside a job (a KeyboardInterrupt turns into a
 runner traceback), and the DirectRunner's worker processes would print their own. So the
-signals are not delivered as exceptions at all: while a job runs they are blocked in every
-thread and in the worker processes (which inherit the mask), and one watcher thread takes
-them with `sigwait`. It then kills the job's processes, prints the line and exits at once:
+signals are not delivered as exceptions at all: while a job runs they are blocked in the
+threads and worker processes the job starts (which inherit the mask), and a watcher thread
+takes them with `sigwait`; a thread that existed before (and so does not block them) runs
+the same stop through a Python handler. The stop kills the job's processes, prints the line
+and exits at once:
 committed shards are whole files (see `pipelines.commit`), so nothing committed is lost and
 nothing half-written is visible; rows not yet committed are redone by the next run.
 """
@@ -18,6 +20,7 @@ import sys
 import threading
 
 _STOP = (signal.SIGINT, signal.SIGTERM)
+_LAUNCHER = "SPECSAMP_LAUNCHER_PID"  # set while a local job runs; worker processes inherit it
 _DONE = signal.SIGUSR2  # wakes the watcher when the job ends normally
 
 
@@ -29,6 +32,8 @@ def stops_cleanly(message):
         yield
         return
     wanted = set(_STOP) | {_DONE}
+    os.environ[_LAUNCHER] = str(os.getpid())
+    handlers = {s: signal.signal(s, lambda signum, frame: _stop(signum, message)) for s in _STOP}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
     watcher = threading.Thread(target=_watch, args=(wanted, message), name="specsamp-stop", daemon=True)
     watcher.start()
@@ -38,15 +43,46 @@ def stops_cleanly(message):
         signal.pthread_kill(watcher.ident, _DONE)
         watcher.join()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        os.environ.pop(_LAUNCHER, None)
+
+
+def ignore_interrupts_in_worker() -> None:
+    """In a local job's worker process, ignore Ctrl-C: the terminal sends it to the whole
+    process group, and the launcher stops the job (workers would print tracebacks). The
+    worker is started by a shell that unblocks signals, and this runs off its main thread,
+    where Python's `signal.signal` is refused: so the C library's `signal` is called."""
+    launcher = os.environ.get(_LAUNCHER)
+    if not launcher or launcher == str(os.getpid()):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).signal(signal.SIGINT, ctypes.c_void_p(1))  # SIG_IGN
+    except (OSError, AttributeError):  # no C library to call: tracebacks, nothing worse
+        pass
 
 
 def _watch(wanted: set, message) -> None:
     signum = signal.sigwait(wanted)
-    if signum == _DONE:
-        return
-    kill_descendants()
+    if signum != _DONE:
+        _stop(signum, message)
+
+
+_ONCE = threading.Lock()
+
+
+def _stop(signum: int, message) -> None:
+    if not _ONCE.acquire(blocking=False):
+        return  # the other path is already stopping
     try:
-        print(message(signum), file=sys.stderr, flush=True)
+        # Runner threads report the killed workers as they go: their noise goes nowhere.
+        sys.stderr.flush()
+        err = os.dup(2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        kill_descendants()
+        os.write(err, (message(signum) + "\n").encode())
     finally:
         os._exit(128 + signum)
 
