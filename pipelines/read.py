@@ -48,7 +48,11 @@ def _read(path: str, columns=None) -> pa.Table:
     import pyarrow.parquet as pq
 
     fs, stripped = storage.filesystem(path)
-    table = pq.read_table(stripped, filesystem=fs, columns=columns)
+    if "://" in path and not path.startswith("file://"):
+        # Whole-file reads: prompt shards are small, and fsspec's prefetcher leaves tasks behind.
+        table = pq.read_table(pa.BufferReader(fs.cat_file(stripped)), columns=columns)
+    else:
+        table = pq.read_table(stripped, filesystem=fs, columns=columns)
     # Bytes, not str: pyarrow does not check UTF-8 on read, Python does on conversion.
     for i, field in enumerate(table.schema):
         if field.type in _TEXT:

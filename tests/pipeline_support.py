@@ -86,3 +86,29 @@ def read(output: str, table: str) -> pa.Table:
 
 def files(output: str, table: str) -> list[str]:
     return sorted(glob.glob(os.path.join(output, f"{table}-*.parquet")))
+
+
+PID_LOG = "SPECSAMP_TEST_PID_LOG"
+PID_LOADER = "tests.pipeline_support:pid_loader"
+
+
+class _PidLogging:
+    """The real generator, noting which process ran each generate call (in the folder
+    named by env PID_LOG: worker processes inherit it)."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def generate(self, prompts, seeds):
+        with open(os.path.join(os.environ[PID_LOG], str(os.getpid())), "a") as f:
+            f.write(f"{len(prompts)}\n")
+        return self._gen.generate(prompts, seeds)
+
+
+def pid_loader(spec):
+    from specsamp import load_generator
+
+    return _PidLogging(load_generator(spec))
