@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import posixpath
 import uuid
 
 import apache_beam as beam
@@ -122,7 +121,3 @@ class CommitShards(beam.DoFn):
             write_shard(self._folder, self._table, rows, self._schema)
             beam.metrics.Metrics.counter("specsamp", f"committed_{self._table}").inc(len(rows))
 
-
-def is_shard(path: str, table: str) -> bool:
-    name = posixpath.basename(path)
-    return name.startswith(f"{table}-") and name.endswith(".parquet")

@@ -39,11 +39,6 @@ class Plan:
     retried: int = 0  # error rows to attempt again (--retry-errors)
     unreadable: tuple[str, ...] = ()  # input files whose ids cannot be read (error rows)
 
-    @property
-    def pattern(self) -> str:
-        """What ReadFromParquet reads: the input as given (a file or a glob)."""
-        return self.cfg.input
-
     def wanted(self, pid, setting: Setting) -> bool:
         """Whether the (prompt, setting) pair is in scope and not yet written."""
         in_scope = self.allowed is None or pid in self.allowed
