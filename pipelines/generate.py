@@ -62,7 +62,8 @@ def run(argv: list[str] | None = None, test_pipeline=None, loader: str = DEFAULT
     write(*build(p, plan, loader), plan)
     if dry_run and _is_local(p):
         return None  # the local runners ignore --dry_run: building the graph is the dry run
-    with stops_cleanly(lambda signum: _stopped(signum, cfg.output)):
+    local = _is_local(p)
+    with stops_cleanly(lambda signum: _stopped(signum, cfg.output, local)):
         _run_to_end(p)
     return None if dry_run else summarize(cfg.output, this_run=plan.todo)
 
@@ -81,8 +82,11 @@ def _intro(plan: Plan, dry_run: bool) -> str:
     return "\n".join(lines)
 
 
-def _stopped(signum: int, output: str) -> str:
+def _stopped(signum: int, output: str, local: bool = True) -> str:
     name, what = _SIGNALS.get(signum, (f"signal {signum}", "stopped"))
+    if not local:  # the launcher stops; the job goes on where it runs
+        return (f"specsamp run: {what} ({name}); the submitted job keeps running and committing to "
+                f"{output}: cancel it (gcloud dataflow jobs cancel) before running the same command again")
     return (f"specsamp run: {what} ({name}); the rows committed so far are kept in {output}; "
             "run the same command again to resume")
 

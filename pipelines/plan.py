@@ -61,8 +61,8 @@ def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = N
         raise UserError(f"no input files match {cfg.input}")
     ids, unreadable = _check_inputs(files)
     in_scope = ids if cfg.limit is None else ids[: cfg.limit]
-    check_context(cfg)
     done, retried = _scan_output(cfg, retry)
+    check_context(cfg)  # after the output check: it may download the default model
     todo = sum((pid, s.key) not in done for pid in in_scope for s in cfg.settings)
     info = RunInfo.of(cfg, run_id, prompts.dataset_name(files[0]))
     allowed = None if cfg.limit is None else frozenset(in_scope)
