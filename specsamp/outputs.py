@@ -10,6 +10,11 @@ Local files are read by DuckDB directly; remote ones through fsspec into Arrow, 
 with the same DuckDB connection. Either way the connection has two views, `completions` and
 `errors`, with non-finite timings turned into NULL (so aggregates skip them) and float32
 sampling settings rounded to 6 digits (0.7, not 0.699999988).
+
+Exactly once: a sample is identified by `ROW_KEY`. The pipeline commits each key once; as
+a safety net the views keep one row per key. An error row is superseded (left out of the
+`errors` view) when a completion with its key exists, as after `specsamp run
+--retry-errors`, and only the latest error row of a key counts.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from specsamp import storage
 from specsamp.storage import filesystem
 
 COMPLETIONS_GLOB = "completions-*.parquet"
+ROW_KEY = ("id", "draft", "k", "config_hash")
 ERRORS_GLOB = "errors-*.parquet"
 
 
@@ -105,6 +111,16 @@ _CLEAN = {
 }
 
 
+_KEY = ", ".join(ROW_KEY)
+_MATCH = " AND ".join(f"c.{k} = e.{k}" for k in ROW_KEY)
+_LIVE = {  # one row per key; errors superseded by a completion left out
+    "completions": f"SELECT * FROM _completions_all QUALIFY row_number() OVER (PARTITION BY {_KEY} "
+                   "ORDER BY run_id DESC) = 1",
+    "errors": f"SELECT * FROM _errors_all e WHERE NOT EXISTS (SELECT 1 FROM _completions_all c "
+              f"WHERE {_MATCH}) QUALIFY row_number() OVER (PARTITION BY {_KEY} ORDER BY run_id DESC) = 1",
+}
+
+
 def connect(tables: Tables):
     """A DuckDB connection with the views `completions` and `errors` over `tables`."""
     import duckdb
@@ -115,8 +131,27 @@ def connect(tables: Tables):
         ("errors", tables.errors, ERRORS),
     ):
         source = _source(con, name, list(files), schema)
-        con.execute(f"CREATE VIEW {name} AS {_CLEAN[name]} FROM {source}")
+        con.execute(f"CREATE VIEW _{name}_all AS {_CLEAN[name]} FROM {source}")
+    for name in ("completions", "errors"):
+        con.execute(f"CREATE VIEW {name} AS {_LIVE[name]}")
     return con
+
+
+def live(completions: list[dict], errors: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rule of the views on plain rows (which must hold the `ROW_KEY` columns)."""
+    def key(r):
+        return tuple(r[k] for k in ROW_KEY)
+
+    def latest(rows):
+        best = {}
+        for r in rows:
+            if key(r) not in best or (r.get("run_id") or "") > (best[key(r)].get("run_id") or ""):
+                best[key(r)] = r
+        return list(best.values())
+
+    done = latest(completions)
+    finished = {key(r) for r in done}
+    return done, latest([r for r in errors if key(r) not in finished])
 
 
 def _source(con, name: str, files: list[str], schema) -> str:

@@ -21,7 +21,7 @@ groups and applies two formulas:
   alpha is the maximum-likelihood estimate; accepted/drafted is smaller (about 0.59 for
   alpha = 0.8, K = 4), so the prediction uses alpha. A loop cut short by EOS or the token
   limit counts as a rejection, a small downward bias on short samples.
-- Predicted speed-up (Leviathan et al.; docs in /work/shared/PAPER.md):
+- Predicted speed-up (Leviathan et al.; see docs/paper.md):
   (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), with K the group's draft length and c its
   mean cost_ratio (draft step time / target step time).
 

@@ -102,11 +102,15 @@ class RunConfig:
 
 
 def add_override_arguments(parser) -> None:
-    """The flags that override a config's input, output and limit (`specsamp run`)."""
+    """The flags that override a config's input, output and limit, and --retry-errors
+    (`specsamp run`)."""
     parser.add_argument("--config", required=True, help="run config (YAML), e.g. configs/humaneval.yaml")
     parser.add_argument("--input", help="prompt Parquet file or glob (local or gs://); overrides the config")
     parser.add_argument("--output", help="output folder (local or gs://); overrides the config")
     parser.add_argument("--limit", type=int, help="only the first N prompts; overrides the config")
+    parser.add_argument("--retry-errors", nargs="?", const="all", default=None, metavar="KIND,...",
+                        help="attempt the output's error rows again (all kinds, or the kinds named, "
+                             "e.g. generation_failed); a retried row that succeeds supersedes its error row")
 
 
 def load(path: str, **overrides) -> RunConfig:

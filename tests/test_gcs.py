@@ -96,7 +96,7 @@ def test_gs_round_trip(gcs, tmp_path, capsys):
     assert sorted(table.column("id").to_pylist()) == sorted(f"prompts/{i}" for i in range(4) for _ in range(2))
     assert set(table.column("target").to_pylist()) == {f"{gcs}/models/target"}
     assert table.schema.field("accepted_per_loop").type.equals(COMPLETIONS.field("accepted_per_loop").type)
-    assert storage.glob(f"{gcs}/runs/one/errors-*.parquet")  # written even when empty
+    assert not storage.glob(f"{gcs}/runs/one/errors-*.parquet")  # shards hold rows: none failed
 
     assert main(["run", "--config", str(config)]) == 0  # resume: nothing left, no Beam job
     assert "nothing to do" in capsys.readouterr().err
@@ -112,3 +112,90 @@ def test_unreachable_bucket_and_missing_input_fail_before_work(gcs, tmp_path, ca
     assert "gs://no-such-bucket-here does not exist or is not reachable" in capsys.readouterr().err
     assert main(["run", "--config", str(config), "--input", f"{gcs}/nothing/*.parquet"]) == 2
     assert "no input files match" in capsys.readouterr().err
+
+
+class _Flaky:
+    """An HTTP proxy in front of the emulator that answers every `every`-th request with
+    503 Service Unavailable instead of forwarding it (a storage service having a moment)."""
+
+    def __init__(self, upstream: str, every: int = 4):
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        up = urllib.parse.urlsplit(upstream)
+        state = {"n": 0, "failed": 0}
+        lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    state["n"] += 1
+                    fail = state["n"] % every == 0
+                    state["failed"] += fail
+                if fail:
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
+
+        self.state = state
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_transient_503s_lose_and_duplicate_nothing(gcs, tmp_path, capsys, monkeypatch):
+    """Every 4th storage request fails with 503 (reads, listings, uploads of shards): the
+    client's retries absorb them; every prompt x setting is written once."""
+    target, draft = tiny_models(str(tmp_path / "models"))
+    fs, _ = storage.filesystem(gcs)
+    table = pa.table({"id": [f"q{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    fs.pipe_file(f"{BUCKET}/flaky/in/p-0.parquet", buf.getvalue().to_pybytes())
+    proxy = _Flaky(os.environ["STORAGE_EMULATOR_HOST"])
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    type(fs).clear_instance_cache()  # clients are cached with their endpoint
+    try:
+        config = tmp_path / "flaky.yaml"
+        config.write_text(f"input: {gcs}/flaky/in/*.parquet\noutput: {gcs}/flaky/out\ntarget: {target}\n"
+                          f"max_new_tokens: 6\nsettings:\n  - {{draft: none}}\n  - {{draft: ngram, k: 2}}\n")
+        assert main(["run", "--config", str(config)]) == 0, capsys.readouterr().err
+        assert proxy.state["failed"] >= 3
+    finally:
+        proxy.close()
+        monkeypatch.undo()
+        type(fs).clear_instance_cache()
+    keys = []
+    for name in ("completions", "errors"):
+        for path in storage.glob(f"{gcs}/flaky/out/{name}-*.parquet"):
+            got = pq.read_table(storage.filesystem(path)[1], filesystem=storage.filesystem(path)[0])
+            keys += [(r["id"], r["draft"], r["k"]) for r in got.to_pylist()]
+    assert sorted(keys) == sorted((f"q{i}", d, k) for i in range(len(PROMPTS)) for d, k in (("none", 0), ("ngram", 2)))

@@ -7,6 +7,7 @@ tests of the module through the handler's per-process generator cache.
 
 import json
 import math
+import os
 
 import apache_beam as beam
 import pytest
@@ -57,6 +58,8 @@ def test_errors_carry_the_reason(env):
     assert "good/0" in done_ids  # was batched with "boom"
     boom = [r for r in failed if r["id"] == "boom"]
     assert all("injected engine failure" in r["error"] for r in boom)
+    bad = {r["id"]: r["error"] for r in failed if r["error_kind"] == "bad_utf8"}
+    assert "mixed-2.parquet row 1" in bad["str/bad"] and "mixed-1.parquet row 1" in bad["bin/bad"]
     long = next(r for r in failed if r["id"] == "long")
     assert "tokens" in long["error"] and long["prompt"] == "zq" * 150
 
@@ -230,3 +233,32 @@ def test_two_processes_sharing_one_model_give_the_same_tables(env, tmp_path):
     assert table(str(tmp_path / "out"), "completions", cols) == table(env["out"], "completions", cols)
     cols = ["id", "draft", "k", "error_kind"]
     assert table(str(tmp_path / "out"), "errors", cols) == table(env["out"], "errors", cols)
+
+
+def test_dry_run_runs_nothing_and_false_means_false(env, tmp_path, capsys):
+    """--dry_run true on a local runner builds the graph and writes no row; --dry_run
+    false (a string to Beam) is a real run."""
+    from specsamp.cli import main
+
+    args = ["run", "--config", env["config"], "--output", str(tmp_path / "o"), "--limit", "1",
+            "--input", str(env["root"] / "prompts" / "mixed-0.parquet")]
+    assert main(args + ["--dry_run", "true"]) == 0
+    assert "dry run" in capsys.readouterr().err
+    assert not files(str(tmp_path / "o"), "completions")
+    assert main(args + ["--dry_run", "false"]) == 0
+    assert len(read(str(tmp_path / "o"), "completions")) == len(env["cfg"].settings)
+
+
+def test_one_input_file_is_spread_over_two_workers(env, tmp_path, monkeypatch):
+    """The README's --direct_num_workers 2 --direct_running_mode multi_processing on a
+    single prompt file: both worker processes generate (catches a job whose one file
+    pins all the work to one worker)."""
+    from tests.pipeline_support import PID_LOADER, PID_LOG
+
+    log = tmp_path / "pids"
+    log.mkdir()
+    monkeypatch.setenv(PID_LOG, str(log))
+    run(["--config", env["config"], "--output", str(tmp_path / "o"),
+         "--input", str(env["root"] / "prompts" / "mixed-0.parquet"),
+         "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"], loader=PID_LOADER)
+    assert len(os.listdir(log)) == 2

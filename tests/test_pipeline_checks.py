@@ -89,3 +89,65 @@ def test_model_that_does_not_load_is_one_line(setup, capsys):
     cfg.write_text(open(config).read() + f"target: {root}/empty-model\n")
     err = fails(capsys, str(cfg), match="specsamp run: error:")
     assert len(err.strip().splitlines()[-1]) < 400
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.pipeline_support import tiny_models
+
+    return tiny_models(str(tmp_path_factory.mktemp("check-models")))[0]
+
+
+def test_max_new_tokens_beyond_the_context_is_refused_before_work(setup, capsys, tiny):
+    """The tiny target has 256 positions: 300 new tokens can never fit. One line before
+    any work, and the output folder is not claimed by the config."""
+    root, config = setup
+    put(root, "p.parquet", id=["a"], prompt=["hi"])
+    cfg = root / "c2.yaml"
+    cfg.write_text(open(config).read().replace("max_new_tokens: 4", "max_new_tokens: 300") + f"target: {tiny}\n")
+    fails(capsys, str(cfg), match="max_new_tokens 300 does not fit the target's context of 256 tokens")
+    assert not list((root / "out").glob("*.parquet"))
+
+
+def test_output_that_cannot_be_written(setup, capsys):
+    """A folder under a file, and (where mounting works) a read-only file system: one
+    line naming the output, before any model loads."""
+    root, config = setup
+    put(root, "p.parquet", id=["a"], prompt=["hi"])
+    (root / "afile").write_text("x")
+    fails(capsys, config, "--output", str(root / "afile" / "out"), match=f"cannot write to output {root}/afile/out")
+    ro = root / "ro"
+    ro.mkdir()
+    import subprocess
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only file system here")
+    try:
+        fails(capsys, config, "--output", str(ro), match=f"cannot write to output {ro}")
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_unreachable_storage_endpoint_is_one_line(setup, capsys, monkeypatch):
+    """Nothing listens at the storage endpoint: the message comes from one probe, not
+    after minutes of the client's retries (it names the endpoint)."""
+    import socket
+
+    root, config = setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    fails(capsys, config, "--input", "gs://some-bucket/p/*.parquet", match=f"cannot reach 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("value", ["maybe", "tru"])
+def test_booleans_are_parsed_strictly(setup, capsys, value):
+    root, config = setup
+    put(root, "p.parquet", id=["a"], prompt=["hi"])
+    fails(capsys, config, "--dry_run", value, match=f"--dry_run takes true or false, got '{value}'")
+
+
+def test_retry_errors_takes_kinds(setup, capsys):
+    root, config = setup
+    put(root, "p.parquet", id=["a"], prompt=["hi"])
+    fails(capsys, config, "--retry-errors", "too long!", match="--retry-errors takes error kinds")

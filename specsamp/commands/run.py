@@ -15,7 +15,10 @@ Dataflow with TPU workers (see configs/dataflow_tpu.yaml and Dockerfile):
     --temp_location gs://B/tmp --worker_machine_type ct5lp-hightpu-1t
     --dataflow_service_options "worker_accelerator=type:tpu-v5-lite-podslice;topology:1x1"
     --sdk_container_image IMAGE
-A re-run with the same config and output resumes: samples already written are skipped."""
+Rows are committed as batches finish. A re-run with the same config and output resumes:
+samples already written are skipped (--retry-errors [KIND,...] attempts error rows again).
+Ctrl-C / SIGTERM stop with exit 130 / 143 and keep every committed row. --dry_run true
+builds the job graph and runs nothing."""
 
 
 class _PassThroughParser(argparse.ArgumentParser):
@@ -43,12 +46,12 @@ def _run(args) -> int:
     from pipelines.generate import run
 
     argv = ["--config", args.config]
-    for flag in ("input", "output", "limit"):
+    for flag in ("input", "output", "limit", "retry_errors"):
         if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     summary = run(argv + args.beam_args)
     if summary is None:
-        print("dry run: the job graph was built and not submitted", file=sys.stderr)
+        print("dry run: the job graph was built; nothing was run", file=sys.stderr)
     else:
         print(summary.text())
     return 0
