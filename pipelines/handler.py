@@ -87,6 +87,9 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
 
     def load_model(self) -> Generators:
+        from specsamp.compilation import enable_compilation_cache
+
+        enable_compilation_cache()  # a worker reuses the programs earlier runs compiled
         start = time.time()
         model = Generators(self._cfg, self._loader)
         _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")
