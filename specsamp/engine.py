@@ -1,6 +1,6 @@
-"""Host side of decoding: pads prompts to fixed shapes, runs the compiled programs, times
-them, and turns the final state into `Completion`s. Works on token ids; text lives in
-`specsamp.generator`.
+"""Host side of decoding: pads prompts to fixed shapes, compiles the batch's programs
+before any clock starts (`specsamp.compilation`), times their execution only, and turns the
+final state into `RawSample`s. Works on token ids; text lives in `specsamp.generator`.
 
 Shapes are bucketed so that few programs are compiled: prompts pad to a power of two
 (at least 32), the cache to a multiple of 128 slots.
