@@ -85,3 +85,30 @@ def test_compilation_is_timed_apart(target):
     again = gen.generate(["f g h", "i"], [3, 4])
     assert first[0].compile_s > 0 and first[1].compile_s == 0
     assert [c.compile_s for c in again] == [0, 0]
+
+
+def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
+    """A round whose rule kept 3 draft tokens but that ends after 2 (the token limit in
+    row 0, an EOS in row 1) logs 2 tokens and 2 accepted. Catches accepted counts that
+    include draft tokens never emitted."""
+    import jax.numpy as jnp
+
+    from specsamp.models import ModelConfig, init_cache
+    from specsamp.state import DecodeState, commit
+
+    cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8, d_ff=8)
+    b, r = 2, 6
+    state = DecodeState(
+        tokens=jnp.zeros((b, 16), jnp.int32), length=jnp.array([4, 4]), prompt_len=jnp.array([4, 4]),
+        max_len=jnp.array([6, 10]), keys=jnp.zeros((b, 2), jnp.uint32), stop_reason=jnp.zeros(b, jnp.int32),
+        calls=jnp.zeros(b, jnp.int32), round_tokens=jnp.zeros((b, r), jnp.int32),
+        round_accepted=jnp.full((b, r), -1, jnp.int32), round_draft_calls=jnp.zeros((b, r), jnp.int32),
+        target_cache=init_cache(cfg, b, 16))
+    out = commit(state, jnp.array([[5, 6, 7, 8], [5, 9, 7, 8]]), jnp.array([4, 4]), jnp.array([3, 3]),
+                 eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]))
+    assert out.length.tolist() == [6, 6] and out.calls.tolist() == [1, 1]
+    assert out.round_tokens[:, 0].tolist() == [2, 2]
+    assert out.round_accepted[:, 0].tolist() == [2, 2]
+    plain = commit(out.replace(stop_reason=jnp.array([0, 0])), jnp.array([[3], [3]]), jnp.array([1, 1]),
+                   jnp.array([0, 0]), eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=False)
+    assert plain.round_accepted[:, 1].tolist() == [-1, -1]  # a plain step is no speculative loop
