@@ -98,8 +98,10 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
 
     def load_model(self) -> Generators:
         from pipelines.stop import ignore_interrupts_in_worker
+        from specsamp.compilation import enable_compilation_cache
 
         ignore_interrupts_in_worker()
+        enable_compilation_cache()  # a worker reuses the programs earlier runs compiled
         start = time.time()
         model = Generators(self._cfg, self._loader)
         _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")

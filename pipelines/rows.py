@@ -98,7 +98,7 @@ def completion_row(info: RunInfo, ex: Example, c, device_kind: str, cost_ratio: 
         **{k: stats[k] for k in ("prompt_tokens", "generated_tokens", "stop_reason", "target_calls",
                                  "draft_calls", "accepted_per_loop", "acceptance_rate",
                                  "tokens_per_call", "prefill_s", "decode_s", "total_s",
-                                 "ms_per_token")},
+                                 "ms_per_token", "compile_s")},
         **_run_fields(info, ex.draft, ex.k, ex.dataset, ex.seed, device_kind),
         "cost_ratio": None if cost_ratio is None or math.isnan(cost_ratio) else float(cost_ratio),
         "extra": ex.extra,

@@ -15,7 +15,8 @@ from specsamp import storage
 from specsamp.outputs import live
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]
-_COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop", "decode_s"]
+_COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop",
+                   "ms_per_token", "compile_s"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,8 @@ class SettingStats:
     rows: int
     acceptance: float  # accepted / drafted tokens, pooled over rows (NaN for the baseline)
     tokens_per_call: float
-    ms_per_token: float
+    ms_per_token: float  # mean of the rows' ms/token (rows without tokens left out), as in specsamp report
+    compile_s: float  # compiling programs, outside every timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,10 @@ class Summary:
                          f"{_fmt(s.tokens_per_call, 8, 2)} {_fmt(s.ms_per_token, 9, 1)} "
                          f"{_fmt(_ratio(base, s.ms_per_token), 8, 2, 'x')}")
         if not math.isnan(base):
-            lines.append("speed-up: baseline ms/token over the setting's, on these prompts "
-                         "(use specsamp report for percentiles)")
+            lines.append("speed-up: baseline mean ms/token over the setting's, means over samples "
+                         "as in specsamp report (which adds intervals, percentiles, per-dataset groups)")
+        compile_s = sum(s.compile_s for s in self.settings)
+        lines.append(f"compiling programs took {compile_s:.1f} s, outside every timing above")
         return "\n".join(lines)
 
 
@@ -79,9 +83,9 @@ def _stats(key, rs: list[dict]) -> SettingStats:
     calls = sum(r["target_calls"] for r in rs)
     accepted = sum(sum(r["accepted_per_loop"]) for r in rs)
     drafted = sum(k * len(r["accepted_per_loop"]) for r in rs)
-    decode = sum(r["decode_s"] for r in rs)
+    ms = [r["ms_per_token"] for r in rs if r["ms_per_token"] is not None and not math.isnan(r["ms_per_token"])]
     return SettingStats(mode, draft, k, len(rs), _ratio(accepted, drafted), _ratio(tokens, calls),
-                        _ratio(1000.0 * decode, tokens))
+                        _ratio(sum(ms), len(ms)), sum(r["compile_s"] for r in rs))
 
 
 def _read(output: str, table: str, columns: list[str]) -> list[dict]:

@@ -6,13 +6,15 @@ an older table with a clear message instead of failing on a missing column.
 
 Versions:
   1: first release.
+  2: completions gain `compile_s`; statistics describe exactly the emitted tokens (cut at
+     a stop string; a round cut by EOS or the token limit counts only its emitted tokens).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _META_KEY = b"specsamp.schema_version"
 
 
@@ -52,18 +54,19 @@ COMPLETIONS = pa.schema(
         _f("completion", pa.string(), "Generated text (stop string and EOS removed)."),
         _f("completion_token_ids", pa.list_(pa.int32()), "Generated token ids, EOS included if hit."),
         _f("prompt_tokens", pa.int32(), "Prompt length in tokens, after the chat template."),
-        _f("generated_tokens", pa.int32(), "Number of generated tokens."),
+        _f("generated_tokens", pa.int32(), "Number of generated tokens (completion_token_ids); every statistic below describes exactly these."),
         _f("stop_reason", pa.string(), "'eos', 'stop' (stop string or id) or 'max_tokens'."),
         *_RUN_FIELDS,
-        _f("target_calls", pa.int32(), "Target model calls in decoding (loops)."),
-        _f("draft_calls", pa.int32(), "Draft model calls in decoding (K per loop; 0 for n-gram; a hybrid: 1 in lookup loops)."),
-        _f("accepted_per_loop", pa.list_(pa.int32()), "Accepted draft tokens in each loop (0..K)."),
-        _f("acceptance_rate", pa.float64(), "Accepted draft tokens / drafted tokens (NaN for autoregressive)."),
+        _f("target_calls", pa.int32(), "Target model calls (rounds) that produced the generated tokens: speculative loops plus plain steps (an n-gram round without a match; every round of the baseline)."),
+        _f("draft_calls", pa.int32(), "Draft model calls in those rounds (K per loop of a draft model; 0 for n-gram; a hybrid: 1 in lookup loops)."),
+        _f("accepted_per_loop", pa.list_(pa.int32()), "Per speculative loop (a call that scored a draft): draft tokens kept by the rejection rule and emitted, 0..K; a loop ended early by EOS, a stop or the token limit counts only the draft tokens it emitted."),
+        _f("acceptance_rate", pa.float64(), "sum(accepted_per_loop) / (K x loops) (NaN for autoregressive)."),
         _f("tokens_per_call", pa.float64(), "Generated tokens / target calls."),
-        _f("prefill_s", pa.float64(), "Seconds spent on the prompt (both models)."),
-        _f("decode_s", pa.float64(), "Seconds spent generating (this sample's share of its batch)."),
+        _f("prefill_s", pa.float64(), "Seconds of the batch's prompt pass (both models), compilation excluded."),
+        _f("decode_s", pa.float64(), "Seconds of decoding until this sample's last emitted token, compilation excluded: the batch's decode time x target_calls / the rounds the batch ran (rounds of a batch take equal time); at batch size 1, the measured time less any rounds run past a stop string."),
         _f("total_s", pa.float64(), "prefill_s + decode_s."),
         _f("ms_per_token", pa.float64(), "decode_s * 1000 / generated_tokens."),
+        _f("compile_s", pa.float64(), "Seconds compiling programs for shapes this worker met first with this sample's batch (cached compiles load faster); on the batch's first row, 0 on the others, so the column sums to the workers' compile time. Not part of prefill_s, decode_s or total_s."),
         _f("cost_ratio", pa.float64(), "Measured draft step time / target step time on this worker (NaN if none).", True),
         _f("extra", pa.string(), "Other prompt-table columns, as a JSON object.", True),
     ],

@@ -5,7 +5,7 @@ Prompts run one at a time (batch 1, the latency setting), each prompt through th
 and every K before the next prompt. Per setting (drafter, K, temperature, top-p) it reports ms/token of each (decode time over
 generated tokens, all prompts together; median over repeats), the speed-up, acceptance,
 tokens per target call, the measured cost ratio c, and two predictions:
-  predicted_speedup: the paper's cost model (docs/paper.md), (1 - a^(K+1)) / ((1 - a)(K c + 1)), which takes
+  predicted_speedup: the cost model of docs/paper.md, (1 - a^(K+1)) / ((1 - a)(K c + 1)), which takes
     a K+1-token scoring call as one target step (true on accelerators);
   predicted_speedup_scoring: what the loop must reach if it wastes nothing beyond the
     models' forwards: the measured tokens per target call over the measured cost of a call,
@@ -163,6 +163,6 @@ def format_table(rows: list[dict]) -> str:
             f"{r['predicted_speedup']:>5.2f} {r['predicted_speedup_scoring']:>5.2f}"
         )
     lines.append("accept: accepted / drafted; alpha: accepted / tested (the cost model's alpha)")
-    lines.append("pred: the paper's cost model, docs/paper.md (scoring K+1 tokens = one step); "
+    lines.append("pred: cost model of docs/paper.md (scoring K+1 tokens = one step); "
                  "pred*: measured tokens/call over the measured cost per call (scoring, draft calls)")
     return "\n".join(lines)

@@ -24,6 +24,8 @@ COMMANDS = (
     "eval",
     "distill",
 )
+# Commands that compile JAX programs: they reuse compiled programs across runs.
+_COMPILING = ("generate", "bench", "audit", "run", "distill", "distill-data")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in _COMPILING:
+            from specsamp.compilation import enable_compilation_cache
+
+            enable_compilation_cache()
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"specsamp {args.command}: error: {e}", file=sys.stderr)

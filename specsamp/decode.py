@@ -19,7 +19,8 @@ from specsamp.config import SamplingParams
 from specsamp.models import ModelConfig, Transformer, init_cache
 from specsamp.sampling import probs_from_logits, sample
 from specsamp.state import (
-    RUNNING, DecodeState, commit, gather_window, prefix_positions, round_keys, write_window,
+    RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
+    write_window,
 )
 
 Drafter = Any  # one of specsamp.drafters' drafters (hashable dataclasses)
@@ -52,9 +53,9 @@ def new_state(
         keys=jax.vmap(jax.random.PRNGKey)(seeds),
         stop_reason=jnp.full((b,), RUNNING, jnp.int32),
         calls=jnp.zeros((b,), jnp.int32),
-        draft_calls=jnp.zeros((b,), jnp.int32),
-        loops=jnp.zeros((b,), jnp.int32),
-        accepted=jnp.zeros((b, max_new), jnp.int32),
+        round_tokens=jnp.zeros((b, max_new), jnp.int32),
+        round_accepted=jnp.full((b, max_new), -1, jnp.int32),
+        round_draft_calls=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
         draft_cache=draft_cache,
         features=jnp.zeros((b, slots, feature_dim), jnp.float32) if feature_dim else None,
@@ -95,7 +96,7 @@ def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, 
     draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
     proposal = prog.drafter.propose(draft_params, state, draft_keys)
     calls = prog.drafter.calls_per_round if proposal.calls is None else proposal.calls
-    state = state.replace(draft_calls=state.draft_calls + jnp.where(state.done, 0, calls))
+    state = log_draft_calls(state, jnp.broadcast_to(jnp.asarray(calls, jnp.int32), state.calls.shape))
     draft, p, draft_cache, found = proposal.draft, proposal.p, proposal.draft_cache, proposal.found
     if found is None:
         return _score(prog, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids)

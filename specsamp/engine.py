@@ -1,6 +1,6 @@
-"""Host side of decoding: pads prompts to fixed shapes, runs the compiled programs, times
-them, and turns the final state into `Completion`s. Works on token ids; text lives in
-`specsamp.generator`.
+"""Host side of decoding: pads prompts to fixed shapes, compiles the batch's programs
+before any clock starts (`specsamp.compilation`), times their execution only, and turns the
+final state into `RawSample`s. Works on token ids; text lives in `specsamp.generator`.
 
 Shapes are bucketed so that few programs are compiled: prompts pad to a power of two
 (at least 32), the cache to a multiple of 128 slots.
@@ -9,7 +9,6 @@ Shapes are bucketed so that few programs are compiled: prompts pad to a power of
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Callable, Sequence
 
@@ -17,21 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specsamp.compilation import compiled
 from specsamp.decode import Program, decode, new_state, prefill
 from specsamp.errors import UserError
+from specsamp.rounds import Rounds, from_log
 from specsamp.state import STOP_REASONS
 
 _MIN_BUCKET = 32
-
-
-def enable_compilation_cache() -> None:
-    """Reuse compiled programs across processes (tests, workers, repeated CLI runs)."""
-    path = os.environ.get("SPECSAMP_JAX_CACHE") or os.path.join(
-        os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp")), "jax"
-    )
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def prompt_bucket(n: int) -> int:
@@ -45,12 +36,39 @@ class RawSample:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     stop_reason: str
-    calls: int  # target calls
-    loops: int  # speculative rounds (calls that scored a draft)
-    draft_calls: int  # draft model calls
-    accepted: tuple[int, ...]
-    prefill_s: float
-    decode_s: float
+    rounds: Rounds  # what each target call did (cut with `cut`)
+    prefill_s: float  # the batch's prefill
+    batch_decode_s: float  # the batch's decoding, all its rounds
+    batch_rounds: int  # rounds the batch's loop ran (the most target calls of a row)
+    compile_s: float = 0.0  # compiling this batch's programs (not in the times above)
+
+    @property
+    def calls(self) -> int:  # target calls
+        return self.rounds.calls
+
+    @property
+    def loops(self) -> int:  # speculative rounds (calls that scored a draft)
+        return self.rounds.loops
+
+    @property
+    def draft_calls(self) -> int:
+        return self.rounds.total_draft_calls
+
+    @property
+    def accepted(self) -> tuple[int, ...]:  # draft tokens kept and emitted, per loop
+        return self.rounds.accepted_per_loop
+
+    @property
+    def decode_s(self) -> float:
+        """Decoding time until this row's last emitted token: the rounds of a batch take
+        equal time, so the batch's time x this row's rounds / the rounds the batch ran
+        (exact at batch size 1 when the loop stopped at the row's end)."""
+        return self.batch_decode_s * self.calls / max(self.batch_rounds, 1)
+
+    def cut(self, n_tokens: int) -> "RawSample":
+        """The sample up to its first n_tokens generated tokens, statistics included."""
+        return dataclasses.replace(self, token_ids=self.token_ids[:n_tokens],
+                                   rounds=self.rounds.cut(n_tokens))
 
 
 @dataclasses.dataclass
@@ -118,21 +136,32 @@ class Engine:
         eos = jnp.asarray(np.array(self.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
 
+        run_prefill, run_decode, compile_s = self._compile(state, eos, stops, bucket - 1)
         t0 = time.perf_counter()
-        # The current (last) prompt token is fed by the first round, not by prefill.
-        state = prefill(self.prog, self.target_params, self.draft_params, state, bucket - 1)
+        state = run_prefill(target_params=self.target_params, draft_params=self.draft_params, state=state)
         jax.block_until_ready(state.target_cache.k)
         t1 = time.perf_counter()
-        state = self._decode(state, eos, stops, lens, should_stop, progress)
+        state = self._decode(run_decode, state, eos, stops, lens, should_stop, progress)
         t2 = time.perf_counter()
-        return self._collect(state, lens, t1 - t0, t2 - t1)
+        return self._collect(state, lens, t1 - t0, t2 - t1, compile_s)
 
-    def _decode(self, state, eos, stops, lens, should_stop, progress):
+    def _compile(self, state, eos, stops, width):
+        """The batch's two executables, compiled before anything is timed (a no-op for
+        shapes met before), and the seconds compiling took. The current (last) prompt token
+        is fed by the first round, not by prefill, hence width = bucket - 1."""
+        params = dict(target_params=self.target_params, draft_params=self.draft_params)
+        run_prefill, s1 = compiled(prefill, dict(prog=self.prog, width=width), dict(**params, state=state))
+        run_decode, s2 = compiled(decode, dict(prog=self.prog), dict(
+            **params, state=state, eos_ids=eos, stop_ids=stops, max_rounds=self._rounds_arg()))
+        return run_prefill, run_decode, s1 + s2
+
+    def _rounds_arg(self):
+        return jnp.int32(self.rounds_per_call)
+
+    def _decode(self, run_decode, state, eos, stops, lens, should_stop, progress):
         while True:
-            state = decode(
-                self.prog, self.target_params, self.draft_params, state, eos, stops,
-                jnp.int32(self.rounds_per_call),
-            )
+            state = run_decode(target_params=self.target_params, draft_params=self.draft_params,
+                               state=state, eos_ids=eos, stop_ids=stops, max_rounds=self._rounds_arg())
             reason = np.asarray(state.stop_reason)
             if should_stop is not None and (reason == 0).any():
                 reason = self._apply_stop_strings(state, reason, lens, should_stop)
@@ -151,27 +180,20 @@ class Engine:
                 reason[row] = 2  # STOP
         return reason
 
-    def _collect(self, state, lens, prefill_s, decode_s) -> list[RawSample]:
+    def _collect(self, state, lens, prefill_s, decode_s, compile_s) -> list[RawSample]:
         tokens, length = np.asarray(state.tokens), np.asarray(state.length)
-        calls, loops = np.asarray(state.calls), np.asarray(state.loops)
-        draft_calls = np.asarray(state.draft_calls)
-        accepted = np.asarray(state.accepted)
-        reason = np.asarray(state.stop_reason)
-        busiest = max(int(calls.max()), 1)
-        b = len(lens)
+        calls, reason = np.asarray(state.calls), np.asarray(state.stop_reason)
+        logs = [np.asarray(a) for a in (state.round_tokens, state.round_accepted, state.round_draft_calls)]
         return [
             RawSample(
                 token_ids=tuple(int(x) for x in tokens[i, lens[i] : length[i]]),
                 prompt_tokens=int(lens[i]),
                 stop_reason=STOP_REASONS[int(reason[i])],
-                calls=int(calls[i]),
-                loops=int(loops[i]),
-                draft_calls=int(draft_calls[i]),
-                accepted=tuple(int(x) for x in accepted[i, : loops[i]]) if self.prog.k else (),
-                # Latency as the row saw it: the batch's prefill, then decoding until the
-                # row's last round (rounds of a batch take equal time).
+                rounds=from_log(*(log[i] for log in logs), int(calls[i])),
                 prefill_s=prefill_s,
-                decode_s=decode_s * int(calls[i]) / busiest,
+                batch_decode_s=decode_s,
+                batch_rounds=int(calls.max()),
+                compile_s=compile_s if i == 0 else 0.0,  # once per batch: the column sums
             )
-            for i in range(b)
+            for i in range(len(lens))
         ]

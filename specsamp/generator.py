@@ -18,7 +18,7 @@ from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse
 from specsamp.decode import Program
 from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from specsamp.drafts import default_draft
-from specsamp.engine import Engine, enable_compilation_cache
+from specsamp.engine import Engine
 from specsamp.errors import UserError
 from specsamp.results import Completion
 
@@ -84,7 +84,6 @@ class Generator:
         from specsamp.loading import check_same_vocab
         from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
 
-        enable_compilation_cache()
         self.spec = spec
         self.target = load_model_once(spec.target)
         self.tokenizer = self.target.tokenizer
@@ -187,14 +186,29 @@ class Generator:
         reason = raw.stop_reason
         cut = min((text.find(s) for s in self.spec.stop if s in text), default=-1)
         if cut >= 0:
-            text, reason = text[:cut], "stop"
+            # The loop may have run past the stop string: keep the tokens up to the one
+            # that completes it, and the statistics of exactly those.
+            text, reason, raw = text[:cut], "stop", raw.cut(self._stop_token_count(body))
         k = self.spec.k if self.drafter is not None else 0
         return Completion(
-            text=text, token_ids=tuple(ids), prompt_tokens=raw.prompt_tokens,
+            text=text, token_ids=raw.token_ids, prompt_tokens=raw.prompt_tokens,
             stop_reason=reason, mode=self.mode, target_calls=raw.calls,
             draft_calls=raw.draft_calls, accepted_per_loop=raw.accepted,
-            prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
+            prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k, compile_s=raw.compile_s,
         )
+
+    def _stop_token_count(self, ids: list[int]) -> int:
+        """The fewest leading tokens of `ids` whose text contains a stop string (binary
+        search: once a prefix's text contains one, every longer prefix's does)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self.tokenizer.decode(ids[:mid])
+            if any(s in text for s in self.spec.stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
 
     @property
     def cost_ratio(self) -> float:

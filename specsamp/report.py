@@ -4,7 +4,7 @@ All aggregation is SQL over the DuckDB views of `specsamp.outputs`; Python only 
 groups and applies two formulas:
 
 - Speed-up of a speculative group = mean ms/token of its autoregressive baseline / its own
-  mean ms/token. The baseline is the autoregressive group with equal values of every
+  mean ms/token (means over samples; the run summary of `specsamp run` uses the same). The baseline is the autoregressive group with equal values of every
   grouping key except mode, k and draft (so the same dataset and sampling settings). Its
   95% interval is the delta method on the log of the ratio of two means. When every sample
   of both groups pairs up with one of the other (same prompt id, seed, sampling settings
@@ -19,9 +19,11 @@ groups and applies two formulas:
   tested, where a loop tests its draft tokens up to and including the first rejection (a
   loop with fewer than K accepted has one rejection). Under the model's i.i.d. assumption
   alpha is the maximum-likelihood estimate; accepted/drafted is smaller (about 0.59 for
-  alpha = 0.8, K = 4), so the prediction uses alpha. A loop cut short by EOS or the token
-  limit counts as a rejection, a small downward bias on short samples.
-- Predicted speed-up (Leviathan et al.; see docs/paper.md):
+  alpha = 0.8, K = 4), so the prediction uses alpha. Accepted counts are of emitted draft
+  tokens: a loop ended inside its draft by EOS, a stop string or id, or the token limit
+  counts the draft tokens it emitted and one rejection, a small downward bias on short
+  samples (at most one such loop per sample, its last).
+- Predicted speed-up (Leviathan et al.; the cost model in docs/paper.md):
   (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), with K the group's draft length and c its
   mean cost_ratio (draft step time / target step time).
 

@@ -10,9 +10,15 @@ import math
 class Completion:
     """One generated sample and its per-sample statistics.
 
-    Timing: `prefill_s` and `decode_s` are wall-clock seconds of the compiled calls. In a
-    batch, the decode time of the batch is shared among its rows in proportion to the loops
-    each row was active; with batch size 1 (the paper's latency setting) it is exact.
+    Statistics describe exactly the emitted tokens (`token_ids`): when a stop string ends
+    the sample, the rounds the loop ran past it are cut away (`specsamp.rounds`).
+
+    Timing: `prefill_s` and `decode_s` are wall-clock seconds of already compiled programs
+    (compilation is timed apart, in `compile_s`). `prefill_s` is the batch's prefill;
+    `decode_s` is the decoding time until the sample's last emitted token: rounds of a
+    batch take equal time, so it is the batch's decode time x the sample's target calls /
+    the rounds the batch ran. At batch size 1 (the paper's latency setting) it is the
+    measured time, less the rounds run past a stop string.
     """
 
     text: str
@@ -26,6 +32,7 @@ class Completion:
     prefill_s: float
     decode_s: float
     k: int = 0
+    compile_s: float = 0.0  # compiling the batch's programs (first row of a batch; else 0)
 
     @property
     def generated_tokens(self) -> int:
@@ -66,4 +73,5 @@ class Completion:
             "decode_s": self.decode_s,
             "total_s": self.total_s,
             "ms_per_token": self.ms_per_token,
+            "compile_s": self.compile_s,
         }

@@ -42,27 +42,35 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
 
     A full sort of 49,152 probabilities costs ~8 ms per row on a CPU, more than a decode
     step, so the cut is first looked for among the 256 largest (lax.top_k, ~0.15 ms per
-    row); only when some row's nucleus is wider does the whole array get sorted. Both
-    paths compute the same cut from the same sorted prefix: the result is identical.
+    row); only when some row's nucleus is wider does the whole array get sorted. The full
+    path's running mass continues the fast path's (the top's cumulative sum, then the rest's
+    added to its total), so where the top covers top_p both paths see bit-identical masses
+    and give bit-identical cuts: which path ran never changes a row's distribution.
     """
     v = probs.shape[-1]
     fast_k = min(_NUCLEUS_FAST_K, v)
-
-    def cut_from(sorted_p):
-        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        # The smallest kept probability: the token whose inclusion reaches top_p. Keeping
-        # every token at least that likely keeps ties at the cut (as top-k does).
-        return jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
-
     top = jax.lax.top_k(probs, fast_k)[0]
-    covered = jnp.all(jnp.sum(top, axis=-1) >= top_p)
-    cut = jax.lax.cond(
-        covered | (fast_k == v),
-        lambda: cut_from(top),
-        lambda: cut_from(-jnp.sort(-probs, axis=-1)),
-    )
+    top_mass = jnp.cumsum(top, axis=-1)
+    # Covered: the top's own running mass (the very numbers the cut compares) reaches
+    # top_p, so no token past the top can be inside the nucleus.
+    covered = top_mass[..., -1] >= top_p
+
+    def full():
+        rest = -jnp.sort(-probs, axis=-1)[..., fast_k:]
+        mass = jnp.concatenate([top_mass, top_mass[..., -1:] + jnp.cumsum(rest, axis=-1)], axis=-1)
+        return _smallest_kept(jnp.concatenate([top, rest], axis=-1), mass, top_p)
+
+    cut = jax.lax.cond(jnp.all(covered) | (fast_k == v), lambda: _smallest_kept(top, top_mass, top_p), full)
     kept = jnp.where(probs >= cut, probs, 0.0)
     return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def _smallest_kept(sorted_p: jax.Array, mass: jax.Array, top_p: float) -> jax.Array:
+    """The smallest kept probability, given probabilities sorted in descending order and
+    their running mass: the token whose inclusion reaches top_p. Keeping every token at
+    least that likely keeps ties at the cut (as top-k does)."""
+    mass_before = jnp.concatenate([jnp.zeros_like(mass[..., :1]), mass[..., :-1]], axis=-1)
+    return jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -28,10 +28,12 @@ class DecodeState:
     max_len: jax.Array  # [B] int32: prompt_len + max_new_tokens
     keys: jax.Array  # [B, 2] uint32: each row's own key (from its seed)
     stop_reason: jax.Array  # [B] int32, RUNNING until the row is done
-    calls: jax.Array  # [B] int32: target calls while the row was running
-    draft_calls: jax.Array  # [B] int32: draft model calls while the row was running
-    loops: jax.Array  # [B] int32: speculative rounds (target calls that scored a draft)
-    accepted: jax.Array  # [B, R] int32: accepted draft tokens in each speculative round
+    calls: jax.Array  # [B] int32: target calls (rounds) while the row was running
+    # The round log, one entry per target call of the row (R = max new tokens >= calls), so
+    # that statistics can be cut at any token (a stop string found on the host):
+    round_tokens: jax.Array  # [B, R] int32: tokens the round appended
+    round_accepted: jax.Array  # [B, R] int32: draft tokens kept AND appended; -1: no draft scored
+    round_draft_calls: jax.Array  # [B, R] int32: draft model calls the round made
     target_cache: KVCache
     draft_cache: KVCache | None = None
     features: jax.Array | None = None  # [B, S, D]: the target's final hidden state per position
@@ -105,11 +107,24 @@ def commit(
         stop_reason=reason,
         calls=state.calls + running.astype(jnp.int32),
     )
-    if drafted is False:
-        return state
-    record = running & drafted
-    rows = jnp.arange(new.shape[0])
-    accepted = state.accepted.at[rows, state.loops].set(
-        jnp.where(record, n_accepted, state.accepted[rows, state.loops]), mode="drop"
-    )
-    return state.replace(loops=state.loops + record.astype(jnp.int32), accepted=accepted)
+    return _log_round(state, emit, jnp.where(drafted, jnp.minimum(n_accepted, emit), -1), running)
+
+
+def _log_round(state: DecodeState, emit, accepted, running) -> DecodeState:
+    """Record the round just committed at index calls - 1 of each running row. `accepted`
+    counts only appended draft tokens: a round cut by EOS, a stop id or the token limit
+    after j of its tokens kept min(n, j), so the log describes exactly the emitted tokens."""
+    rows, at = jnp.arange(emit.shape[0]), state.calls - 1
+
+    def put(log, value):
+        return log.at[rows, at].set(jnp.where(running, value, log[rows, at]), mode="drop")
+
+    return state.replace(round_tokens=put(state.round_tokens, emit),
+                         round_accepted=put(state.round_accepted, accepted))
+
+
+def log_draft_calls(state: DecodeState, calls: jax.Array) -> DecodeState:
+    """Record the draft calls of the round about to be committed (at index calls)."""
+    rows = jnp.arange(state.calls.shape[0])
+    value = jnp.where(state.done, state.round_draft_calls[rows, state.calls], calls)
+    return state.replace(round_draft_calls=state.round_draft_calls.at[rows, state.calls].set(value, mode="drop"))

@@ -34,7 +34,7 @@ def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s
         "acceptance_rate": sum(accepted) / (k * len(accepted)) if accepted else float("nan"),
         "tokens_per_call": tokens / loops if loops else float("nan"), "prefill_s": prefill_s, "decode_s": decode_s,
         "total_s": prefill_s + decode_s,
-        "ms_per_token": 1000.0 * decode_s / tokens if tokens else float("nan"),
+        "ms_per_token": 1000.0 * decode_s / tokens if tokens else float("nan"), "compile_s": 0.0,
         "cost_ratio": cost_ratio if mode == "speculative" else float("nan"),
         "extra": json.dumps(extra or {}),
     }

@@ -97,3 +97,27 @@ def test_greedy_limit_keeps_draft_iff_it_is_the_argmax():
     assert int(n) == 1 and int(x) == 4
     n, x = accept(jax.random.PRNGKey(1), jnp.array([2, 4]), jnp.eye(5)[jnp.array([2, 4])], q)
     assert int(n) == 2 and int(x) == 1
+
+
+def test_bonus_token_follows_the_last_target_distribution():
+    """When all K draft tokens are kept, the extra token is drawn from q_{K+1} itself.
+    Draft rows equal to the target's make every draft token kept; the last draft row
+    differs from q_{K+1}, so drawing the bonus from the residual (q_{K+1} - p_K)+ (the
+    draft rows padded with their last row instead of zeros) would shift it."""
+    rng = np.random.default_rng(3)
+    p_rows = np.stack([_random_dist(rng, 6), _random_dist(rng, 6)])
+    bonus_q = _random_dist(rng, 6)
+    q_rows = np.concatenate([p_rows, bonus_q[None]])
+    assert np.abs(bonus_q - p_rows[-1]).sum() > 0.5  # a residual would be far from q_{K+1}
+    k = p_rows.shape[0]
+    p, q = jnp.asarray(p_rows), jnp.asarray(q_rows)
+
+    def one(key):
+        kd, ka = jax.random.split(key)
+        draft = jax.random.categorical(kd, jnp.log(p), axis=-1).astype(jnp.int32)
+        return accept(ka, draft, p, q)
+
+    n, x = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(11), 100_000))
+    n, x = np.asarray(n), np.asarray(x)
+    assert (n == k).all()  # p == q: nothing is rejected
+    assert _chi_square_pvalue(np.bincount(x, minlength=6), bonus_q.astype(np.float64)) > ALPHA

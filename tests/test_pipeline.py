@@ -19,7 +19,7 @@ from pipelines import rows
 from pipelines.generate import build, run
 from pipelines.handler import GeneratorHandler, generator_spec
 from pipelines.plan import make_plan
-from schemas import COMPLETIONS, ERRORS, check_file
+from schemas import COMPLETIONS, ERRORS, SCHEMA_VERSION, check_file
 from specsamp import runconfig
 from tests.pipeline_support import FAILING_LOADER, files, read, tiny_models, write_config, write_prompts
 
@@ -86,7 +86,7 @@ def test_tables_follow_the_schemas(env):
         check_file(path, ERRORS)
     table = read(env["out"], "completions")
     assert table.schema.field("completion_token_ids").type.value_type.bit_width == 32
-    assert table.schema.metadata[b"specsamp.schema_version"] == b"1"
+    assert table.schema.metadata[b"specsamp.schema_version"] == str(SCHEMA_VERSION).encode()
 
 
 def test_statistics_are_consistent(env):

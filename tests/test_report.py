@@ -239,3 +239,26 @@ def test_report_pairs_samples_by_prompt(tmp_path):
     assert (paired.speedup.low, paired.speedup.high) == pytest.approx(expected, rel=1e-6)
     assert (unpaired.speedup.low, unpaired.speedup.high) == pytest.approx(report.ratio_ci(*summ), rel=1e-6)
     assert paired.speedup.high - paired.speedup.low < 0.5 * (unpaired.speedup.high - unpaired.speedup.low)
+
+
+def test_run_summary_and_report_give_the_same_speedup(tmp_path):
+    """The summary `specsamp run` prints and `specsamp report` must agree on acceptance,
+    tokens per call and speed-up for the same tables. Catches one of them weighting
+    ms/token by tokens (total time / total tokens) while the other averages samples:
+    the two differ whenever samples of different lengths run at different speeds."""
+    from pipelines.summary import summarize as run_summary
+
+    rng = np.random.default_rng(5)
+    ar = [completion_row(i, mode="autoregressive", tokens=int(rng.integers(5, 60)),
+                         decode_s=float(rng.uniform(0.2, 3.0))) for i in range(25)]
+    spec = random_rows(rng, 25, k=4)
+    write(tmp_path / "completions-0.parquet", ar + spec)
+    groups = _by_key(_summarize([tmp_path]))
+    settings = {(s.mode, s.k): s for s in run_summary(str(tmp_path)).settings}
+    base, g = settings[("autoregressive", 0)], groups[("speculative", 4)]
+    mine = settings[("speculative", 4)]
+    assert base.ms_per_token / mine.ms_per_token == pytest.approx(g.speedup.measured, rel=1e-12)
+    assert mine.acceptance == pytest.approx(g.acceptance_rate, rel=1e-12)
+    assert mine.tokens_per_call == pytest.approx(g.tokens_per_call, rel=1e-12)
+    pooled = sum(r["decode_s"] for r in ar) / sum(r["generated_tokens"] for r in ar)
+    assert abs(1000 * pooled - base.ms_per_token) > 1e-3  # the two definitions differ here

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,3 +80,48 @@ def test_nucleus_fast_and_full_paths_match_reference(scale):
     assert (kept > 256).all() if scale < 1 else (kept < 256).all()
     for row, out in zip(logits, got):
         np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)
+
+
+def test_nucleus_batch_of_one_wide_and_one_peaked_row():
+    """The fast path may serve a batch only when EVERY row's nucleus fits in the top 256:
+    catches a coverage check over any row instead of all (the wide row would then keep at
+    most 256 tokens where about 785 belong)."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 1000)).astype(np.float32) * np.array([[0.5], [6.0]], np.float32)
+    got = np.asarray(probs_from_logits(jnp.asarray(logits), SamplingParams(1.0, 0, 0.9)))
+    kept = (got > 0).sum(axis=-1)
+    assert kept[0] > 256 > kept[1], kept
+    for row, out in zip(logits, got):
+        np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)
+
+
+def _boundary_row():
+    """A row whose top-256 mass, summed as the cut sums it (a running sum), is smaller
+    than the same numbers added by jnp.sum: the two disagree on whether top_p = that
+    running mass + 1 ulp is covered by the top 256."""
+    import jax
+
+    for seed in range(100):
+        probs = np.random.default_rng(seed).gamma(0.5, size=1000).astype(np.float32)
+        probs /= probs.sum()
+        top = jax.lax.top_k(jnp.asarray(probs), 256)[0]
+        running = np.float32(jnp.cumsum(top)[-1])
+        if np.float32(jnp.sum(top)) > running:
+            return jnp.asarray(probs[None]), running
+    raise AssertionError("no row where sum and running sum differ")
+
+
+def test_nucleus_fast_path_equals_full_sort_at_the_boundary():
+    """At top_p equal to the top 256's running mass the nucleus is exactly those 256
+    tokens (fast path); one ulp above, the 257th is needed (full sort). Catches a coverage
+    check that adds the top differently from the cut (jnp.sum vs the running sum): it
+    would call the top covered and drop the 257th token the full sort keeps."""
+    from specsamp.sampling import _nucleus
+
+    probs, running = _boundary_row()
+    at = np.asarray(jax.jit(_nucleus, static_argnums=1)(probs, float(running)))
+    above = np.asarray(jax.jit(_nucleus, static_argnums=1)(probs, float(np.nextafter(running, np.float32(2)))))
+    ranked = np.sort(np.asarray(probs)[0])[::-1]
+    assert (at > 0).sum() == 256
+    assert (above > 0).sum() == 257
+    assert np.asarray(probs)[0][above[0] > 0].min() == ranked[256]
