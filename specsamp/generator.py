@@ -20,6 +20,7 @@ from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, Ngram
 from specsamp.drafts import default_draft
 from specsamp.engine import Engine, enable_compilation_cache
 from specsamp.errors import UserError
+from specsamp.models import Model
 from specsamp.results import Completion
 
 
@@ -73,10 +74,6 @@ def load_model_once(spec: str | None):
         return _MODELS[key]
 
 
-def _slice_layers(params, n_layers: int):
-    return {**params, "layers": jax.tree.map(lambda a: a[:n_layers], params["layers"])}
-
-
 class Generator:
     """A target (and drafter) loaded once, ready to generate for text prompts."""
 
@@ -97,8 +94,8 @@ class Generator:
         elif kind == "early-exit":
             if arg >= cfg.n_layers:
                 raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
-            drafter = ModelDrafter(cfg.truncated(arg), k, sp, kind="early-exit")
-            draft_params = _slice_layers(self.target.params, arg)
+            draft_model, draft_params = Model(cfg).first_layers(self.target.params, arg)
+            drafter = ModelDrafter(draft_model.cfg, k, sp, kind="early-exit")
         elif kind == "hybrid":
             n, path = arg
             if not is_feature_draft(path):

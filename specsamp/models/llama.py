@@ -24,6 +24,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specsamp.quant import dequantize_rows, is_quantized, matmul
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -71,6 +73,54 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> K
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+def _stored(module: nn.Module, name: str, init, shape):
+    """The parameter `name`: declared (with its float shape) when initializing, otherwise
+    read as stored, which may be a quantized `QWeight` (Flax's `param` would compare its
+    leaves against the float shape and refuse it)."""
+    if module.is_initializing() or not module.has_variable("params", name):
+        return module.param(name, init, shape)
+    return module.get_variable("params", name)
+
+
+class Linear(nn.Module):
+    """nn.Dense over a float or quantized kernel [in, out] (same parameter names)."""
+
+    features: int
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = _stored(self, "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        if is_quantized(kernel):
+            y = matmul(x, kernel).astype(x.dtype)
+        else:
+            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        return y
+
+
+class Embed(nn.Module):
+    """nn.Embed over a float or quantized table [V, D]: lookup, and `attend` (the tied head)."""
+
+    num_embeddings: int
+    features: int
+
+    def setup(self):
+        self.embedding = _stored(self, "embedding", nn.initializers.variance_scaling(
+            1.0, "fan_in", "normal", out_axis=0), (self.num_embeddings, self.features))
+
+    def __call__(self, ids):
+        if is_quantized(self.embedding):
+            return dequantize_rows(self.embedding, ids.reshape(-1)).reshape(ids.shape + (-1,))
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, query):
+        if is_quantized(self.embedding):
+            return matmul(query, self.embedding)
+        return jnp.dot(query, self.embedding.T)
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -112,9 +162,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = nn.Dense(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
-        k = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
-        v = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
+        q = Linear(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
+        k = Linear(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
+        v = Linear(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         start = positions[:, 0]
@@ -128,7 +178,7 @@ class Attention(nn.Module):
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bjgts,bsje->btjge", weights, v_cache).reshape(b, t, h * e)
-        return nn.Dense(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
+        return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -136,9 +186,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        gate = nn.Dense(self.cfg.d_ff, use_bias=False, name="gate")(x)
-        up = nn.Dense(self.cfg.d_ff, use_bias=False, name="up")(x)
-        return nn.Dense(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+        gate = Linear(self.cfg.d_ff, use_bias=False, name="gate")(x)
+        up = Linear(self.cfg.d_ff, use_bias=False, name="up")(x)
+        return Linear(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -159,7 +209,7 @@ def setup_decoder(module: nn.Module) -> None:
     """Embedding, the scanned layer stack, final norm and (untied) head of `module.cfg`:
     shared by the decoder and the feature-conditioned draft, so their weights line up."""
     cfg = module.cfg
-    module.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+    module.embed = Embed(cfg.vocab_size, cfg.d_model, name="embed")
     module.layers = nn.scan(
         Block,
         variable_axes={"params": 0},
@@ -169,7 +219,7 @@ def setup_decoder(module: nn.Module) -> None:
     )(cfg, name="layers")
     module.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
     if not cfg.tie_embeddings:
-        module.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+        module.lm_head = Linear(cfg.vocab_size, use_bias=False, name="lm_head")
 
 
 class Transformer(nn.Module):
