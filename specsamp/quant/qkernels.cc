@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -60,13 +61,24 @@ struct Problem {
   float* y;              // [R, N]
   int64_t rows, cols, n, block;
   bool scale_f32;
-  float scale_at(int64_t i) const {
-    return scale_f32 ? static_cast<const float*>(scale)[i]
-                     : half_to_float(static_cast<const uint16_t*>(scale)[i]);
-  }
+  float scale_at(int64_t i) const;
 };
 
-constexpr int kMaxRows = 64;  // rows per pass over the weights (more rows: more passes)
+const float* half_table() {  // all 65536 float16 values, for the portable loops
+  static const float* table = [] {
+    float* t = new float[65536];
+    for (uint32_t h = 0; h < 65536; ++h) t[h] = half_to_float(static_cast<uint16_t>(h));
+    return t;
+  }();
+  return table;
+}
+
+float Problem::scale_at(int64_t i) const {
+  return scale_f32 ? static_cast<const float*>(scale)[i]
+                   : half_table()[static_cast<const uint16_t*>(scale)[i]];
+}
+
+constexpr int kMaxRows = 8;  // rows per pass over a chunk of weights (more: more passes)
 
 // ---- portable
 void q4_portable(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
@@ -75,7 +87,7 @@ void q4_portable(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t n
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t r = 0; r < nr; ++r) acc[r] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = p.scale_at(n * nb + b), m = half_to_float(p.min[n * nb + b]);
+      const float d = p.scale_at(n * nb + b), m = half_table()[p.min[n * nb + b]];
       const uint8_t* q = p.codes + n * (p.cols / 2) + b * 16;
       float w[32];
       for (int j = 0; j < 16; ++j) {
@@ -114,111 +126,153 @@ void q8_portable(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t n
 }
 
 #ifdef SPECSAMP_X86
-// ---- AVX-512: 16 lanes; a q4 block is two vectors (inputs 0..15 low nibbles, 16..31 high)
+__attribute__((target("f16c"))) inline float scale_x86(const Problem& p, int64_t i) {
+  return p.scale_f32 ? static_cast<const float*>(p.scale)[i]
+                     : _cvtsh_ss(static_cast<const uint16_t*>(p.scale)[i]);
+}
+
+// ---- AVX-512: 16 lanes. NR rows at once with two accumulators each (a q4 block is two
+// vectors: inputs 0..15 from the low nibbles, 16..31 from the high), all in registers.
+template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
-void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
+void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / 32;
   const __m128i low = _mm_set1_epi8(0x0f);
-  __m512 acc[kMaxRows];
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const uint8_t* qrow = p.codes + n * (p.cols / 2);
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 d = _mm512_set1_ps(p.scale_at(n * nb + b));
+      const __m512 d = _mm512_set1_ps(scale_x86(p, n * nb + b));
       const __m512 m = _mm512_set1_ps(_cvtsh_ss(p.min[n * nb + b]));
-      const __m128i q = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(p.codes + n * (p.cols / 2) + b * 16));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * 16));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
       const __m512 hi = _mm512_cvtepi32_ps(
           _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
       const __m512 w0 = _mm512_fmadd_ps(lo, d, m), w1 = _mm512_fmadd_ps(hi, d, m);
       const float* xb = p.x + r0 * p.cols + b * 32;
-      for (int64_t r = 0; r < nr; ++r) {
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * p.cols), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * p.cols + 16), acc[r]);
+      for (int r = 0; r < NR; ++r) {
+        a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * p.cols), a0[r]);
+        a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * p.cols + 16), a1[r]);
       }
     }
-    for (int64_t r = 0; r < nr; ++r) p.y[(r0 + r) * p.n + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < NR; ++r)
+      p.y[(r0 + r) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
   }
 }
 
+template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
-void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
+void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / p.block;
-  __m512 acc[kMaxRows];
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 d = _mm512_set1_ps(p.scale_at(n * nb + b));
+      const __m512 d = _mm512_set1_ps(scale_x86(p, n * nb + b));
       const uint8_t* q = p.codes + n * p.cols + b * p.block;
       const float* xb = p.x + r0 * p.cols + b * p.block;
-      for (int64_t j = 0; j < p.block; j += 16) {
-        const __m128i qi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j));
-        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qi)), d);
-        for (int64_t r = 0; r < nr; ++r)
-          acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xb + r * p.cols + j), acc[r]);
+      int64_t j = 0;
+      for (; j + 32 <= p.block; j += 32) {
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), d);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j + 16)))), d);
+        for (int r = 0; r < NR; ++r) {
+          a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * p.cols + j), a0[r]);
+          a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * p.cols + j + 16), a1[r]);
+        }
+      }
+      for (; j < p.block; j += 16) {
+        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), d);
+        for (int r = 0; r < NR; ++r)
+          a0[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xb + r * p.cols + j), a0[r]);
       }
     }
-    for (int64_t r = 0; r < nr; ++r) p.y[(r0 + r) * p.n + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < NR; ++r)
+      p.y[(r0 + r) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
   }
 }
 
-// ---- AVX2: 8 lanes
+// ---- AVX2: 8 lanes, one accumulator per row.
 __attribute__((target("avx2,f16c,fma")))
-float hsum256(__m256 v) {
+inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
+template <int NR>
 __attribute__((target("avx2,f16c,fma")))
-void q4_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
+void q4_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / 32;
   const __m128i low = _mm_set1_epi8(0x0f);
-  __m256 acc[kMaxRows];
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256 d = _mm256_set1_ps(p.scale_at(n * nb + b));
+      const __m256 d = _mm256_set1_ps(scale_x86(p, n * nb + b));
       const __m256 m = _mm256_set1_ps(_cvtsh_ss(p.min[n * nb + b]));
       const __m128i q = _mm_loadu_si128(
           reinterpret_cast<const __m128i*>(p.codes + n * (p.cols / 2) + b * 16));
       const __m128i lo = _mm_and_si128(q, low);
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-      __m256 w[4] = {
+      const __m256 w[4] = {
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m),
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m),
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m),
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m)};
       const float* xb = p.x + r0 * p.cols + b * 32;
-      for (int64_t r = 0; r < nr; ++r)
+      for (int r = 0; r < NR; ++r)
         for (int k = 0; k < 4; ++k)
           acc[r] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xb + r * p.cols + 8 * k), acc[r]);
     }
-    for (int64_t r = 0; r < nr; ++r) p.y[(r0 + r) * p.n + n] = hsum256(acc[r]);
+    for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.n + n] = hsum256(acc[r]);
   }
 }
 
+template <int NR>
 __attribute__((target("avx2,f16c,fma")))
-void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
+void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / p.block;
-  __m256 acc[kMaxRows];
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256 d = _mm256_set1_ps(p.scale_at(n * nb + b));
+      const __m256 d = _mm256_set1_ps(scale_x86(p, n * nb + b));
       const uint8_t* q = p.codes + n * p.cols + b * p.block;
       const float* xb = p.x + r0 * p.cols + b * p.block;
       for (int64_t j = 0; j < p.block; j += 8) {
         const __m128i qi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j));
         const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qi)), d);
-        for (int64_t r = 0; r < nr; ++r)
+        for (int r = 0; r < NR; ++r)
           acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + r * p.cols + j), acc[r]);
       }
     }
-    for (int64_t r = 0; r < nr; ++r) p.y[(r0 + r) * p.n + n] = hsum256(acc[r]);
+    for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.n + n] = hsum256(acc[r]);
   }
 }
+
+// Rows at once: up to 8 (AVX-512: 16 accumulators + weights fit in 32 registers).
+#define SPECSAMP_DISPATCH(name)                                                        \
+  void name##_rows(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) { \
+    switch (nr) {                                                                      \
+      case 1: return name<1>(p, n0, n1, r0);                                           \
+      case 2: return name<2>(p, n0, n1, r0);                                           \
+      case 3: return name<3>(p, n0, n1, r0);                                           \
+      case 4: return name<4>(p, n0, n1, r0);                                           \
+      case 5: return name<5>(p, n0, n1, r0);                                           \
+      case 6: return name<6>(p, n0, n1, r0);                                           \
+      case 7: return name<7>(p, n0, n1, r0);                                           \
+      default: return name<8>(p, n0, n1, r0);                                          \
+    }                                                                                  \
+  }
+SPECSAMP_DISPATCH(q4_avx512)
+SPECSAMP_DISPATCH(q8_avx512)
+SPECSAMP_DISPATCH(q4_avx2)
+SPECSAMP_DISPATCH(q8_avx2)
 #endif
 
 using Kernel = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
@@ -242,8 +296,8 @@ int isa() {  // 2: AVX-512, 1: AVX2, 0: portable (SPECSAMP_ISA=portable|avx2 cap
 Kernel pick(bool q4, int64_t block) {
 #ifdef SPECSAMP_X86
   const int level = isa();
-  if (level == 2 && (q4 || block % 16 == 0)) return q4 ? q4_avx512 : q8_avx512;
-  if (level >= 1 && (q4 || block % 8 == 0)) return q4 ? q4_avx2 : q8_avx2;
+  if (level == 2 && (q4 || block % 16 == 0)) return q4 ? q4_avx512_rows : q8_avx512_rows;
+  if (level >= 1 && (q4 || block % 8 == 0)) return q4 ? q4_avx2_rows : q8_avx2_rows;
 #endif
   return q4 ? q4_portable : q8_portable;
 }
@@ -272,7 +326,11 @@ void run(const Problem& p, Kernel kernel, ffi::ThreadPool& pool) {
   shared->kernel = kernel;
   shared->chunk = 64;
   shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), 3);
+  static const int64_t cap = [] {
+    const char* v = std::getenv("SPECSAMP_KERNEL_HELPERS");
+    return v ? std::atoll(v) : int64_t{3};
+  }();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cap);
   if (shared->chunks > 1)
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
   shared->work();
