@@ -104,3 +104,22 @@ def test_int8_rows_round_to_nearest():
     assert np.all(np.abs(back - dense) <= step / 2 + 1e-7)
     i = np.abs(dense).argmax(axis=1)
     np.testing.assert_allclose(back[np.arange(7), i], dense[np.arange(7), i], rtol=1e-6)
+
+
+def test_layer_view_reads_the_right_layer():
+    """Catches wrong layer offsets in the kernels (codes, scales or minimums of another
+    layer): a view (whole stack + index) multiplies like the sliced layer on XLA."""
+    _kernel_or_skip()
+    from specsamp.quant import layer_view
+
+    for kind in ("Q4_1", "Q8_0"):
+        layers = [from_gguf_blocks(random_blocks(kind, 40, 64, seed=10 + i), kind, 40, 64)
+                  for i in range(3)]
+        stacked = {k: None if layers[0][k] is None else np.stack([f[k] for f in layers])
+                   for k in layers[0]}
+        w = qweight(stacked, "cpu")
+        x = jnp.asarray(np.random.default_rng(7).normal(size=(3, 64)).astype(np.float32))
+        for i in range(3):
+            view = jax.jit(lambda w, i: matmul(x, layer_view(w, i)))(w, jnp.int32(i))
+            want = matmul(x, qweight(layers[i], "xla"))
+            np.testing.assert_allclose(np.asarray(view), np.asarray(want), rtol=1e-5, atol=1e-5)

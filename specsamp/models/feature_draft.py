@@ -23,7 +23,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specsamp.models.llama import KVCache, Linear, ModelConfig, rope_tables, setup_decoder
+from specsamp.models.llama import (
+    KVCache, Linear, ModelConfig, rope_tables, run_layers, setup_decoder,
+)
 
 BORROWED = ("embed", "lm_head", "head")
 
@@ -41,8 +43,8 @@ class FeatureDraft(nn.Module):
     def __call__(self, tokens, features, positions, cache: KVCache):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
-        return self.final_norm(x), KVCache(k=k, v=v)
+        x, cache = run_layers(self, x, cache, cos, sin, positions)
+        return self.final_norm(x), cache
 
     def logits(self, g):
         if self.cfg.tie_embeddings:

@@ -60,16 +60,18 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, J, E]
-    v: jax.Array  # [L, B, S, J, E]
+    # Heads before slots, so that attention reads each (row, head)'s [S, E] block as it
+    # lies (a slot-major cache costs two transposed copies of the cache per layer).
+    k: jax.Array  # [L, B, J, S, E]
+    v: jax.Array  # [L, B, J, S, E]
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -147,11 +149,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, T, J, E] into cache_layer [B, S, J, E] at each row's start slot."""
-    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0)))(
-        cache_layer, new, start
-    )
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, J, E] into a layer's cache [B, J, S, E] at each row's start slot."""
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, J, T, E]
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))(
+        cache, new, start)
 
 
 class Attention(nn.Module):
@@ -159,6 +161,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, k_cache, v_cache):
+        """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -168,16 +171,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         start = positions[:, 0]
-        k_cache = _write(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = _write(v_cache, v.astype(v_cache.dtype), start)
+        k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
 
         q = q.reshape(b, t, j, h // j, e) * (e**-0.5)
-        scores = jnp.einsum("btjge,bsje->bjgts", q, k_cache).astype(jnp.float32)
-        slots = jnp.arange(k_cache.shape[1])
+        scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
+        slots = jnp.arange(k_cache.shape[2])
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bjgts,bsje->btjge", weights, v_cache).reshape(b, t, h * e)
+        out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 
@@ -203,6 +205,31 @@ class Block(nn.Module):
         x = x + attn_out
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x))
         return x, (k_cache, v_cache)
+
+
+def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions):
+    """The layer stack of `module` (set up by `setup_decoder`) over x: (x, new cache).
+
+    At init, Flax's nn.scan declares the stacked weights. At apply, a plain lax.scan over
+    the layer index hands each layer a view of the stacked weights: a quantized weight on
+    the native kernels keeps the whole stack and the index (the kernel reads the layer in
+    place), where a sliced operand would make XLA copy every layer's bytes each step."""
+    if module.is_initializing():
+        x, (k, v) = module.layers(x, (cache.k, cache.v), cos, sin, positions)
+        return x, KVCache(k=k, v=v)
+    from specsamp.quant import layer_view
+
+    stacked = module.variables["params"]["layers"]
+    block = Block(module.cfg, parent=None)  # a free module, applied to one layer at a time
+
+    def body(x, inputs):
+        i, k, v = inputs
+        layer = jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)
+        x, (k, v) = block.apply({"params": layer}, x, (k, v), cos, sin, positions)
+        return x, (k, v)
+
+    x, (k, v) = jax.lax.scan(body, x, (jnp.arange(cache.k.shape[0]), cache.k, cache.v))
+    return x, KVCache(k=k, v=v)
 
 
 def setup_decoder(module: nn.Module) -> None:
@@ -235,10 +262,10 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
         x = self.embed(tokens)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
+        x, cache = run_layers(self, x, cache, cos, sin, positions)
         hidden = self.final_norm(x)
         out = self.logits(hidden) if head else hidden
-        return out, KVCache(k=k, v=v)
+        return out, cache
 
     def logits(self, hidden):
         if self.cfg.tie_embeddings:

@@ -34,6 +34,7 @@ class QWeight:
     codes: jax.Array
     scale: jax.Array
     min: Any  # jax.Array or None
+    layer: Any = None  # int32 scalar: this is layer `layer` of the stacked fields (a view)
     bits: int = flax.struct.field(pytree_node=False, default=4)
     block: int = flax.struct.field(pytree_node=False, default=32)
     transposed: bool = flax.struct.field(pytree_node=False, default=True)
@@ -62,6 +63,25 @@ def is_quantized(w) -> bool:
     return isinstance(w, QWeight)
 
 
+def layer_view(w, i):
+    """Layer i of a stacked weight: a view (whole stack plus index) for the native
+    kernels, which read the layer in place; a slice otherwise."""
+    if isinstance(w, QWeight) and w.backend == "cpu" and w.layer is None:
+        from specsamp.quant import kernels
+
+        if kernels.supports(w):
+            return w.replace(layer=jnp.asarray(i, jnp.int32))
+    return jax.tree.map(lambda a: a[i], w)
+
+
+def _resolve(w: QWeight) -> QWeight:
+    """A view as the plain (sliced) weight."""
+    if w.layer is None:
+        return w
+    take = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+    return w.replace(codes=take(w.codes), scale=take(w.scale), min=take(w.min), layer=None)
+
+
 def _values(w: QWeight, codes, scale, minimum) -> jax.Array:
     """Float32 rows [..., r, C] from the fields (already indexed to the wanted rows)."""
     *lead, r, _ = codes.shape
@@ -81,12 +101,14 @@ def dequantize(w) -> jax.Array:
     """The float32 parameter `w` stands for (a float array is returned as it is)."""
     if not isinstance(w, QWeight):
         return w
+    w = _resolve(w)
     v = _values(w, w.codes, w.scale, w.min)
     return jnp.swapaxes(v, -1, -2) if w.transposed else v
 
 
 def dequantize_rows(w, ids) -> jax.Array:
     """Float32 rows W[ids] [N, C] of a quantized matrix (only those rows are decoded)."""
+    w = _resolve(w)
     take = lambda a: None if a is None else jnp.take(a, ids, axis=-2)
     return _values(w, take(w.codes), take(w.scale), take(w.min))
 
@@ -98,6 +120,7 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
         if kernels.supports(w):
             return kernels.qmatmul(x, w)
+    w = _resolve(w)
     rows = _values(w, w.codes, w.scale, w.min)
     return jnp.einsum("...c,rc->...r", x.astype(jnp.float32), rows)
 
@@ -144,7 +167,7 @@ def to_qweight(fields: dict, transposed: bool, backend: str) -> QWeight:
     bits, block = block_bits(fields)
     m = fields.get("min")
     return QWeight(jnp.asarray(fields["codes"]), jnp.asarray(fields["scale"]),
-                   None if m is None else jnp.asarray(m), bits=bits, block=block,
+                   None if m is None else jnp.asarray(m), None, bits=bits, block=block,
                    transposed=transposed, backend=backend)
 
 
@@ -156,6 +179,7 @@ def int8_kernel(kernel, backend: str) -> QWeight:
 
 def take_rows(w: QWeight, ids, transposed: bool) -> QWeight:
     """The rows `ids` of a quantized matrix, still quantized (e.g. a reduced head)."""
+    w = _resolve(w)
     take = lambda a: None if a is None else jnp.take(a, ids, axis=-2)
     return QWeight(take(w.codes), take(w.scale), take(w.min), bits=w.bits, block=w.block,
                    transposed=transposed, backend=w.backend)

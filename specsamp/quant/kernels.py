@@ -82,12 +82,21 @@ def supports(w) -> bool:
 
 
 def qmatmul(x: jax.Array, w) -> jax.Array:
-    """x [..., C] @ W.T with W [N, C] in blocks (unstacked: codes 2-D), on the kernels."""
+    """x [..., C] @ W.T with W [N, C] in blocks, on the kernels. A layer view (w.layer
+    set) passes the whole stack [L, N, ...] and the index: the kernel reads the layer in
+    place, so XLA copies nothing."""
     lead, c = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, c).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32)
-    if w.bits == 4:
-        y = jax.ffi.ffi_call("specsamp_q4_matmul", out)(x2, w.codes, w.scale, w.min)
+    if w.layer is None:
+        stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
+        layer, codes, scale, minimum = jnp.int32(0), stack(w.codes), stack(w.scale), stack(w.min)
     else:
-        y = jax.ffi.ffi_call("specsamp_q8_matmul", out)(x2, w.codes, w.scale)
+        layer, codes, scale, minimum = w.layer, w.codes, w.scale, w.min
+    if codes.ndim != 3:
+        raise ValueError(f"kernel operands must be one matrix or one stack, got {codes.shape}")
+    if w.bits == 4:
+        y = jax.ffi.ffi_call("specsamp_q4_matmul", out)(layer, x2, codes, scale, minimum)
+    else:
+        y = jax.ffi.ffi_call("specsamp_q8_matmul", out)(layer, x2, codes, scale)
     return y.reshape(*lead, w.rows)

@@ -2,9 +2,10 @@
 //
 //   y[r, n] = sum_c x[r, c] * W[n, c],   W[n, c] = code * scale (+ min) per block of a row
 //
-// x is float32 [R, C] (R = batch x (K+1) rows, small), W is N x C in its stored blocks:
-//   q4: codes uint8 [N, C/2] (GGUF nibble order), scale and min float16 [N, C/32]
-//   q8: codes int8 [N, C], scale float16 or float32 [N, C/block]
+// x is float32 [R, C] (R = batch x (K+1) rows, small), W is N x C in its stored blocks,
+// layer `layer` of a stack of L such matrices (read in place: no copy of the layer):
+//   q4: codes uint8 [L, N, C/2] (GGUF nibble order), scale and min float16 [L, N, C/32]
+//   q8: codes int8 [L, N, C], scale float16 or float32 [L, N, C/block]
 // Each weight is decoded once to float32 and used for all R rows, so a call reads the
 // stored bytes once: a decode step is bound by memory bandwidth, not by arithmetic.
 // Each output y[r, n] is accumulated in the same order whatever R is, so scoring K+1
@@ -337,30 +338,47 @@ void run(const Problem& p, Kernel kernel, ffi::ThreadPool& pool) {
   while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
 }
 
-ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                  ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> min,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), cd = codes.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || xd[1] != 2 * cd[1] || xd[1] % 32)
-    return ffi::Error::InvalidArgument("q4 matmul: expected x [R, C], codes [N, C/2], C % 32 == 0");
-  Problem p{x.typed_data(), codes.typed_data(), scale.untyped_data(),
-            reinterpret_cast<const uint16_t*>(min.untyped_data()), y->typed_data(),
-            xd[0], xd[1], cd[0], 32, false};
+// Byte offset of layer `layer` in a stack [L, ...] of `bytes` bytes per layer, or -1.
+int64_t layer_offset(ffi::Buffer<ffi::S32> layer, int64_t stack, int64_t bytes) {
+  const int64_t i = *layer.typed_data();
+  return (i < 0 || i >= stack) ? -1 : i * bytes;
+}
+
+ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                  ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scale,
+                  ffi::Buffer<ffi::F16> min, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] != 2 * cd[2] || xd[1] % 32 ||
+      sd[2] * 32 != xd[1] || sd[1] != cd[1] || sd[0] != cd[0] || min.dimensions().size() != 3 ||
+      min.dimensions()[1] != sd[1] || min.dimensions()[2] != sd[2] || min.dimensions()[0] != sd[0])
+    return ffi::Error::InvalidArgument(
+        "q4 matmul: expected x [R, C], codes [L, N, C/2], scale and min [L, N, C/32]");
+  const int64_t n = cd[1], nb = sd[2], at = layer_offset(layer, cd[0], 1);
+  if (at < 0) return ffi::Error::InvalidArgument("q4 matmul: layer index out of range");
+  Problem p{x.typed_data(), codes.typed_data() + at * n * cd[2],
+            reinterpret_cast<const uint16_t*>(scale.untyped_data()) + at * n * nb,
+            reinterpret_cast<const uint16_t*>(min.untyped_data()) + at * n * nb,
+            y->typed_data(), xd[0], xd[1], n, 32, false};
   run(p, pick(true, 32), pool);
   return ffi::Error::Success();
 }
 
-ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                  ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                  ffi::Buffer<ffi::S8> codes, ffi::AnyBuffer scale,
+                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] != cd[1] || xd[1] % sd[1])
-    return ffi::Error::InvalidArgument("q8 matmul: expected x [R, C], codes [N, C], scale [N, nb]");
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] != cd[2] || xd[1] % sd[2] ||
+      sd[1] != cd[1] || sd[0] != cd[0])
+    return ffi::Error::InvalidArgument(
+        "q8 matmul: expected x [R, C], codes [L, N, C], scale [L, N, nb]");
   const bool f32 = scale.element_type() == ffi::DataType::F32;
   if (!f32 && scale.element_type() != ffi::DataType::F16)
     return ffi::Error::InvalidArgument("q8 matmul: scale must be float16 or float32");
-  Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()),
-            scale.untyped_data(), nullptr, y->typed_data(), xd[0], xd[1], cd[0],
-            xd[1] / sd[1], f32};
+  const int64_t n = cd[1], nb = sd[2], at = layer_offset(layer, cd[0], 1);
+  if (at < 0) return ffi::Error::InvalidArgument("q8 matmul: layer index out of range");
+  const char* scales = static_cast<const char*>(scale.untyped_data()) + at * n * nb * (f32 ? 4 : 2);
+  Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()) + at * n * cd[2],
+            scales, nullptr, y->typed_data(), xd[0], xd[1], n, xd[1] / nb, f32};
   run(p, pick(false, p.block), pool);
   return ffi::Error::Success();
 }
@@ -370,6 +388,7 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQ4Matmul, Q4Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
@@ -379,6 +398,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQ4Matmul, Q4Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQ8Matmul, Q8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::AnyBuffer>()
