@@ -15,6 +15,7 @@
 // chosen at run time from the CPU's flags; other machines use the portable loop.
 // Work is split by output rows between the calling thread and XLA's intra-op pool.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -327,11 +328,13 @@ void run(const Problem& p, Kernel kernel, ffi::ThreadPool& pool) {
   shared->kernel = kernel;
   shared->chunk = 64;
   shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
+  // The caller works too, so one helper fewer than the pool's threads keeps one thread per
+  // core (an extra thread gets preempted holding a chunk, and the call waits a time slice).
   static const int64_t cap = [] {
     const char* v = std::getenv("SPECSAMP_KERNEL_HELPERS");
-    return v ? std::atoll(v) : int64_t{3};
+    return v ? std::atoll(v) : int64_t{63};
   }();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), cap);
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), cap);
   if (shared->chunks > 1)
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
   shared->work();
