@@ -46,7 +46,7 @@ def generator_spec(cfg: RunConfig, setting: Setting):
     return GeneratorSpec(target=cfg.target, draft=setting.draft, k=max(setting.k, 1),
                          sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
-                         batch_size=cfg.batch_size)
+                         batch_size=cfg.batch_size, weights=cfg.weights)
 
 
 class Generators:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from specsamp.models import Transformer, init_cache
+from specsamp.models import Model
 from specsamp.sampling import probs_from_logits
 
 ENDED = -1
@@ -36,10 +36,7 @@ class PositionResult:
 def exact_next_token_probs(gen, prompt_ids: list[int]) -> np.ndarray:
     """The target's distribution of the first generated token, from a full forward pass."""
     cfg, params = gen.engine.prog.target, gen.engine.target_params
-    tokens = jnp.asarray([prompt_ids])
-    positions = jnp.arange(len(prompt_ids))[None]
-    logits, _ = Transformer(cfg).apply({"params": params}, tokens, positions,
-                                       init_cache(cfg, 1, len(prompt_ids)))
+    logits = Model(cfg).full_forward(params, jnp.asarray([prompt_ids]))
     return np.asarray(probs_from_logits(logits[0, -1], gen.spec.sampling), np.float64)
 
 

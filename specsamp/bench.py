@@ -151,6 +151,41 @@ def _row(k, sp, ar_ms, timings, gen) -> dict:
     }
 
 
+def streaming_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """This machine's measured memory read bandwidth in GB/s: the best of a few jitted
+    sums over a float32 array much larger than the caches (XLA uses every core)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return a.nbytes / best / 1e9
+
+
+def add_traffic(rows: list[dict], weights: str, step_bytes: int, stream_gb_per_s: float) -> None:
+    """Weight bytes a baseline step reads and the bandwidth that step achieved (in place)."""
+    for r in rows:
+        ms = r["ar_ms_per_token"]
+        r.update(weights=weights, bytes_per_step=step_bytes,
+                 gb_per_s=step_bytes / (ms / 1000) / 1e9 if ms == ms and ms > 0 else math.nan,
+                 stream_gb_per_s=stream_gb_per_s)
+
+
+def traffic_line(rows: list[dict]) -> str:
+    r = rows[0]
+    return (f"weights {r['weights']}: {r['bytes_per_step'] / 1e6:.1f} MB read per step; baseline "
+            f"{r['ar_ms_per_token']:.1f} ms/token = {r['gb_per_s']:.1f} GB/s "
+            f"(this machine streams {r['stream_gb_per_s']:.1f} GB/s)")
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'drafter':>21} {'K':>2} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
             f"{'speed-up':>8} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'c':>5} {'pred':>5} {'pred*':>5}")

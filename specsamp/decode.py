@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from specsamp.acceptance import accept_batch
 from specsamp.config import SamplingParams
-from specsamp.models import ModelConfig, Transformer, init_cache
+from specsamp.models import Model, ModelConfig, init_cache
 from specsamp.sampling import probs_from_logits, sample
 from specsamp.state import (
     RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
@@ -67,8 +67,8 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, widt
     """Feed tokens [B, width] at positions 0..width-1: all but each row's current token;
     entries past that are padding, written to slots that later writes overwrite."""
     tokens = state.tokens[:, :width]
-    hidden, cache = Transformer(prog.target).apply(
-        {"params": target_params}, tokens, prefix_positions(tokens), state.target_cache, head=False
+    hidden, cache = Model(prog.target).forward(
+        target_params, tokens, prefix_positions(tokens), state.target_cache, head=False
     )
     state = state.replace(target_cache=cache)
     if state.features is not None:
@@ -81,9 +81,7 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, widt
 def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
     t = state.current
     current = gather_window(state.tokens, t, 1)
-    logits, cache = Transformer(prog.target).apply(
-        {"params": target_params}, current, t[:, None], state.target_cache
-    )
+    logits, cache = Model(prog.target).forward(target_params, current, t[:, None], state.target_cache)
     q = probs_from_logits(logits[:, 0], prog.sampling)
     x = jax.vmap(sample)(round_keys(state), q)
     ones = jnp.ones_like(t)
@@ -122,10 +120,9 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
     t = state.current
     block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]
     positions = t[:, None] + jnp.arange(k + 1)[None, :]
-    target = Transformer(prog.target)
-    hidden, cache = target.apply({"params": target_params}, block, positions, state.target_cache,
-                                 head=False)
-    logits = target.apply({"params": target_params}, hidden, method=Transformer.logits)
+    target = Model(prog.target)
+    hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
+    logits = target.logits(target_params, hidden)
     if state.features is not None:  # the target's features, for a feature-conditioned draft
         state = state.replace(features=write_window(state.features, hidden, t))
     q = probs_from_logits(logits, prog.sampling)

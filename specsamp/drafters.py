@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.config import SamplingParams
-from specsamp.models import ModelConfig, Transformer
-from specsamp.models.feature_draft import FeatureDraft, draft_logits, module_params
+from specsamp.models import Model, ModelConfig
+from specsamp.models.feature_draft import FeatureModel
 from specsamp.sampling import probs_from_logits, sample
 from specsamp.state import RUNNING, DecodeState, gather_window, prefix_positions
 
@@ -51,13 +51,13 @@ class ModelDrafter:
         return True
 
     def prefill(self, params, tokens, state: DecodeState):
-        _, cache = Transformer(self.cfg).apply(
-            {"params": params}, tokens, prefix_positions(tokens), state.draft_cache, head=False)
+        _, cache = Model(self.cfg).forward(
+            params, tokens, prefix_positions(tokens), state.draft_cache, head=False)
         return cache
 
     def forward(self, params, tokens, positions, cache):
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
-        return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache)
+        return Model(self.cfg).forward(params, tokens, positions, cache)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         t = state.current
@@ -134,9 +134,8 @@ class FeatureDrafter:
     def prefill(self, params, tokens, state: DecodeState):
         start = jnp.zeros((tokens.shape[0],), jnp.int32)
         feats = _shifted_features(state.features, start, tokens.shape[1])
-        _, cache = FeatureDraft(self.cfg).apply(
-            {"params": module_params(params)}, tokens, feats, prefix_positions(tokens),
-            state.draft_cache)
+        _, cache = FeatureModel(self.cfg).forward(
+            params, tokens, feats, prefix_positions(tokens), state.draft_cache)
         return cache
 
     def forward(self, params, tokens, positions, cache, features=None):
@@ -144,9 +143,9 @@ class FeatureDrafter:
         cost ratio times: the same work whatever the features are)."""
         if features is None:
             features = jnp.zeros(tokens.shape + (self.cfg.d_model,), jnp.float32)
-        g, cache = FeatureDraft(self.cfg).apply(
-            {"params": module_params(params)}, tokens, features, positions, cache)
-        return draft_logits(self.cfg, params, g), cache
+        model = FeatureModel(self.cfg)
+        g, cache = model.forward(params, tokens, features, positions, cache)
+        return model.logits(params, g), cache
 
     def refresh(self, params, state: DecodeState):
         """The first call of a round: the window of K+1 positions ending at t, with the
@@ -159,21 +158,19 @@ class FeatureDrafter:
         tokens = gather_window(state.tokens, start, width)
         feats = _shifted_features(state.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
-        g, cache = FeatureDraft(self.cfg).apply(
-            {"params": module_params(params)}, tokens, feats, positions, state.draft_cache)
+        g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, state.draft_cache)
         return jnp.take_along_axis(g, (t - start)[:, None, None], axis=1), cache
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
-        model = FeatureDraft(self.cfg)
-        own = {"params": module_params(params)}
+        model = FeatureModel(self.cfg)
         t = state.current
         g, cache = self.refresh(params, state)
 
         def head(g):
-            return draft_logits(self.cfg, params, g)[:, 0]
+            return model.logits(params, g)[:, 0]
 
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
-            return model.apply(own, tok[:, None], g, (t + 1 + i)[:, None], cache)
+            return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
         return Proposal(*_chain(_drawer(self.sampling, keys), head, feed, g, cache, self.k))
 

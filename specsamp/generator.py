@@ -20,6 +20,7 @@ from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, Ngram
 from specsamp.drafts import default_draft
 from specsamp.engine import Engine
 from specsamp.errors import UserError
+from specsamp.models import Model
 from specsamp.results import Completion
 
 
@@ -30,7 +31,9 @@ class GeneratorSpec:
     baseline), 'ngram' (prompt lookup, 'ngram:N' for n-grams up to N), 'early-exit:L' (the
     target's first L layers), a path to a draft model sharing the target's vocabulary or to
     a feature draft (or a shipped draft's name, `specsamp.drafts`), 'ngram+<feature draft>'
-    (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`)."""
+    (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
+    weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
+    `specsamp.loading`), for the target and a separate draft model alike."""
 
     target: str | None = None
     draft: str = "none"
@@ -42,6 +45,7 @@ class GeneratorSpec:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
+    weights: str = "stored"
 
     def __post_init__(self):
         check_k(self.k)
@@ -51,6 +55,9 @@ class GeneratorSpec:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         parse_draft(self.draft)
+        from specsamp.loading import check_weights
+
+        check_weights(self.weights)
 
     @property
     def mode(self) -> str:
@@ -61,20 +68,16 @@ _MODELS: dict = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def load_model_once(spec: str | None):
-    """load_model, once per process: generators of several settings (a K sweep) share one
-    copy of the weights, which are never modified."""
+def load_model_once(spec: str | None, weights: str = "stored"):
+    """load_model, once per process and weight format: generators of several settings (a
+    K sweep) share one copy of the weights, which are never modified."""
     from specsamp.loading import DEFAULT_MODEL, load_model
 
-    key = spec or DEFAULT_MODEL
+    key = (spec or DEFAULT_MODEL, weights)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            _MODELS[key] = load_model(spec)
+            _MODELS[key] = load_model(spec, weights)
         return _MODELS[key]
-
-
-def _slice_layers(params, n_layers: int):
-    return {**params, "layers": jax.tree.map(lambda a: a[:n_layers], params["layers"])}
 
 
 class Generator:
@@ -85,7 +88,7 @@ class Generator:
         from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
 
         self.spec = spec
-        self.target = load_model_once(spec.target)
+        self.target = load_model_once(spec.target, spec.weights)
         self.tokenizer = self.target.tokenizer
         self.draft = default_draft(spec.target) if spec.draft == "auto" else spec.draft
         kind, arg = parse_draft(self.draft)
@@ -96,8 +99,8 @@ class Generator:
         elif kind == "early-exit":
             if arg >= cfg.n_layers:
                 raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
-            drafter = ModelDrafter(cfg.truncated(arg), k, sp, kind="early-exit")
-            draft_params = _slice_layers(self.target.params, arg)
+            draft_model, draft_params = Model(cfg).first_layers(self.target.params, arg)
+            drafter = ModelDrafter(draft_model.cfg, k, sp, kind="early-exit")
         elif kind == "hybrid":
             n, path = arg
             if not is_feature_draft(path):
@@ -109,7 +112,7 @@ class Generator:
             draft_cfg, draft_params = load_feature_draft(arg, self.target)
             drafter = FeatureDrafter(draft_cfg, k, sp)
         elif kind == "model":
-            draft = load_model_once(arg)
+            draft = load_model_once(arg, spec.weights)
             check_same_vocab(self.target, draft)
             drafter = ModelDrafter(draft.cfg, k, sp)
             draft_params = draft.params

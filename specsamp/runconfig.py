@@ -77,6 +77,7 @@ class RunConfig:
     limit: int | None = None
     dataset: str | None = None
     workers: Workers = Workers()
+    weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
 
     @property
     def target_name(self) -> str:
@@ -88,7 +89,8 @@ class RunConfig:
 
     def config_hash(self) -> str:
         """sha256 (first 16 hex) of the settings that change a sample."""
-        keys = ("settings", "target", "sampling", "max_new_tokens", "chat", "system", "stop", "seed")
+        keys = ("settings", "target", "sampling", "max_new_tokens", "chat", "system", "stop", "seed",
+                "weights")
         full = dataclasses.asdict(self)
         body = {k: full[k] for k in keys}
         body["target"] = self.target_name
@@ -233,6 +235,10 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
         fail(f"'system' must be a string (a system prompt for the chat template), got {cfg.system!r}")
     if cfg.dataset is not None and (not isinstance(cfg.dataset, str) or not cfg.dataset):
         fail(f"'dataset' must be a non-empty string, got {cfg.dataset!r}")
+    from specsamp.loading import WEIGHTS
+
+    if cfg.weights not in WEIGHTS:
+        fail(f"'weights' must be one of {', '.join(WEIGHTS)}, got {cfg.weights!r}")
     w = cfg.workers
     if not isinstance(w.share_model_across_processes, bool):
         fail("workers.share_model_across_processes must be true or false")

@@ -52,3 +52,28 @@ def test_run_bench_on_a_tiny_model(tmp_path):
     assert 1.0 <= row["tokens_per_call"] <= 3.0 and row["cost_ratio"] == 0.0
     assert row["score_cost_ratio"] > 0 and row["speedup"] > 0
     assert math.isfinite(row["predicted_speedup_scoring"])
+
+
+def test_traffic_fields_and_step_bytes():
+    """Catches wrong GB/s arithmetic or a step that counts an untied embedding table (a
+    step reads one row of it) or misses the tied head (a step reads all of it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specsamp.bench import add_traffic, traffic_line
+    from specsamp.models import Model, ModelConfig
+    from specsamp.models.llama import init_params
+
+    rows = [{"ar_ms_per_token": 10.0}]
+    add_traffic(rows, "stored", 100_000_000, 20.0)
+    assert rows[0]["weights"] == "stored" and rows[0]["bytes_per_step"] == 100_000_000
+    assert math.isclose(rows[0]["gb_per_s"], 10.0) and rows[0]["stream_gb_per_s"] == 20.0
+    assert "10.0 GB/s" in traffic_line(rows)
+    for tied in (True, False):
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                          head_dim=16, d_ff=48, tie_embeddings=tied)
+        params = init_params(cfg)
+        total = sum(a.size * 4 for a in jax.tree.leaves(params))
+        embed = 64 * 32 * 4
+        assert Model(cfg).step_bytes(params) == (total if tied else total - embed)
+        assert params["embed"]["embedding"].dtype == jnp.float32

@@ -17,6 +17,8 @@ CASES = [
     (["bench", "--k", "2,x"], "comma-separated list"),
     (["generate", "--prompt", "hi", "--draft", "ngram+"], "a hybrid drafter is 'ngram[:N]+"),
     (["generate", "--prompt", "hi", "--draft", "ngram+/no/such/draft"], "feature-conditioned"),
+    (["generate", "--prompt", "hi", "--weights", "int4"], "weights must be among"),
+    (["bench", "--weights", "stored,fp8"], "weights must be among"),
 ]
 
 

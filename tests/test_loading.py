@@ -3,6 +3,7 @@ reference data in tests/data), GGUF equals the Hugging Face folder it was conver
 quantized tensors decode to the values llama.cpp's formulas give, and bad input gives one
 clear UserError."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -117,7 +118,7 @@ def test_quantized_gguf_weights_close_to_float(qtype, tol, tmp_path, cache):
     block-order mistake gives errors of order 1, quantization alone a few percent)."""
     folder = make_tiny_checkpoint(str(tmp_path / "hf"), seed=4, tied=False)
     ref = jax.tree_util.tree_leaves_with_path(load_model(folder).params)
-    got = load_model(write_gguf(folder, str(tmp_path / "m.gguf"), qtype)).params
+    got = load_model(write_gguf(folder, str(tmp_path / "m.gguf"), qtype), "float32").params
     for path, want in ref:
         have = functools.reduce(lambda t, k: t[k.key], path, got)
         rel = np.sqrt(np.mean((np.asarray(have) - want) ** 2) / np.mean(np.asarray(want) ** 2))
@@ -182,9 +183,9 @@ def test_mismatched_vocab_is_refused(tmp_path, cache):
 def test_converted_gguf_is_cached(tmp_path, cache):
     """The second load reads the float32 copy (no GGUF parsing) and gives the same model."""
     path = write_gguf(make_tiny_checkpoint(str(tmp_path / "hf")), str(tmp_path / "m.gguf"), "Q8_0")
-    first = load_model(path)
+    first = load_model(path, "float32")
     assert len(list((cache / "converted").iterdir())) == 1
-    second = load_model(path)
+    second = load_model(path, "float32")
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         assert np.array_equal(a, b)
     assert second.cfg == first.cfg and second.tokenizer.eos_ids == first.tokenizer.eos_ids
@@ -331,3 +332,49 @@ def test_smollm2_greedy_matches_transformers(smollm2):
             x, pos = jnp.asarray([[out[-1]]]), pos[:, -1:] + 1
         assert out == ref[f"greedy_{i}"].tolist()
         assert smollm2.tokenizer.decode(out) == text["greedy_text"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_stored_blocks_are_the_float32_model(qtype, tmp_path, cache):
+    """Catches a stored (quantized) load that is not the same model as the float32 load
+    of the same file: every weight decodes to the identical float32 value (Q/K rows
+    unpermuted alike), nothing is written to the cache, and the logits agree to float32
+    rounding on both the native kernels and the XLA path."""
+    from specsamp.quant import QWeight, dequantize
+
+    folder = make_tiny_checkpoint(str(tmp_path / "hf"), seed=5, tied=False)
+    path = write_gguf(folder, str(tmp_path / "m.gguf"), qtype)
+    stored = load_model(path)
+    assert not (cache / "converted").exists()
+    full = load_model(path, "float32")
+    is_q = lambda x: isinstance(x, QWeight)
+    flat_s = jax.tree_util.tree_leaves_with_path(stored.params, is_leaf=is_q)
+    assert sum(is_q(leaf) for _, leaf in flat_s) >= 7  # q, k, v, o, gate, up, down (+ head)
+    for path_, leaf in flat_s:
+        want = functools.reduce(lambda t, k: t[k.key], path_, full.params)
+        np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(want))
+    assert stored.weight_bytes < 0.4 * full.weight_bytes
+    tokens = [3, 17, 5, 9, 30, 2, 11]
+    want = logits(full, tokens)
+    for backend in ("cpu", "xla"):
+        params = jax.tree.map(lambda w: w.replace(backend=backend) if is_q(w) else w,
+                              stored.params, is_leaf=is_q)
+        got = logits(dataclasses.replace(stored, params=params), tokens)
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_int8_weights_are_close_and_smaller(tmp_path, cache):
+    """Catches a broken int8 path (wrong channel axis, scale or transposition): int8
+    per-channel logits stay close to the float model's, at about a quarter of its bytes."""
+    folder = make_tiny_checkpoint(str(tmp_path / "hf"), seed=6, tied=True)
+    full, small = load_model(folder), load_model(folder, "int8")
+    assert small.weights == "int8" and small.weight_bytes < 0.35 * full.weight_bytes
+    tokens = [1, 4, 9, 16, 25]
+    want, got = logits(full, tokens), logits(small, tokens)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0  # it is another model, not the float one
+
+
+def test_unknown_weight_format_is_refused(tmp_path, cache):
+    with pytest.raises(UserError, match="weights must be one of"):
+        load_model(make_tiny_checkpoint(str(tmp_path / "hf")), "int4")

@@ -64,6 +64,7 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"target": "/no/such/model"}, "does not exist"),
     ({"workers": {"model_copies": 0}}, "model_copies"),
     ({"workers": {"gpus": 1}}, "workers"),
+    ({"weights": "fp8"}, "weights"),
 ])
 def test_mistakes_are_user_errors(changes, words):
     with pytest.raises(UserError, match=words) as error:
@@ -87,7 +88,8 @@ def test_hash_covers_what_changes_samples_only():
     assert a.config_hash() == make().config_hash()
     assert a.config_hash() == make(output="elsewhere", limit=3, input="q.parquet", batch_size=4).config_hash()
     for changes in ({"seed": 1}, {"max_new_tokens": 64}, {"sampling": {"temperature": 1.0}},
-                    {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."}):
+                    {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."},
+                    {"weights": "float32"}):
         assert make(**changes).config_hash() != a.config_hash(), changes
     assert make(target="smollm2").config_hash() == a.config_hash()  # the default, spelled out
 

@@ -38,7 +38,7 @@ def run(args) -> int:
     if args.draft == "none":
         raise UserError("audit checks a drafter against the target: give --draft other than none")
     sp = sampling_from(args)
-    common = dict(target=args.target, sampling=sp, max_new_tokens=args.positions,
+    common = dict(target=args.target, sampling=sp, max_new_tokens=args.positions, weights=args.weights,
                   chat=args.chat, batch_size=min(args.batch_size, args.samples))
     status(f"loading models; drawing {args.samples} speculative and {args.samples} "
            f"autoregressive samples of {args.positions} tokens ...")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specsamp.commands.common import print_json, status
+from specsamp.commands.common import add_weights_arg, print_json, status
 from specsamp.errors import UserError
 
 
@@ -36,6 +36,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
+    add_weights_arg(p, many=True)
     p.set_defaults(func=run)
 
 
@@ -57,7 +58,9 @@ def _prompts(args) -> tuple[list[str], bool]:
 
 
 def run(args) -> int:
-    from specsamp.bench import format_table, run_bench
+    from specsamp.bench import (
+        add_traffic, format_table, run_bench, streaming_bandwidth, traffic_line,
+    )
     from specsamp.config import SamplingParams
     from specsamp.generator import GeneratorSpec, load_generator
 
@@ -70,20 +73,39 @@ def run(args) -> int:
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
     loaded = {}
 
-    def make(draft, k, sp):
-        spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
-                             max_new_tokens=args.max_new_tokens)
-        if not loaded:
-            status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
-        gen = load_generator(spec)
-        loaded[spec] = gen
-        return gen
+    def maker(weights):
+        def make(draft, k, sp):
+            spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
+                                 max_new_tokens=args.max_new_tokens, weights=weights)
+            if not loaded:
+                status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
+            gen = load_generator(spec)
+            loaded[spec] = gen
+            return gen
+        return make
 
-    status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats")
-    rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed, log=status)
-    if args.json:
-        for r in rows:
-            print_json(r)
-    else:
-        print(format_table(rows))
+    status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats, "
+           f"weights {','.join(args.weights)}")
+    stream = streaming_bandwidth()
+    groups = []
+    for weights in args.weights:
+        make = maker(weights)
+        rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed,
+                         log=status)
+        gen = make("none", 1, samplings[0])  # already loaded: the baseline of this group
+        add_traffic(rows, weights, _step_bytes(gen), stream)
+        groups.append(rows)
+    for rows in groups:
+        if args.json:
+            for r in rows:
+                print_json(r)
+        else:
+            print(traffic_line(rows))
+            print(format_table(rows))
     return 0
+
+
+def _step_bytes(gen) -> int:
+    from specsamp.models import Model
+
+    return Model(gen.engine.prog.target).step_bytes(gen.engine.target_params)

@@ -19,6 +19,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "'ngram+<feature draft>', 'early-exit:L', or 'none' for plain "
                         "autoregressive sampling (default: auto)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per loop (default 4)")
+    add_weights_arg(g)
+
+
+WEIGHTS_HELP = ("weights: 'stored' (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, the same model at "
+                "a quarter of the bytes), 'float32', or 'int8' (per-channel weight-only: a "
+                "slightly different model) (default: stored)")
+
+
+def add_weights_arg(g, many: bool = False) -> None:
+    if many:
+        g.add_argument("--weights", type=weights_list, default=["stored"],
+                       help=WEIGHTS_HELP.replace("weights:", "weight formats, e.g. stored,float32:"))
+    else:
+        g.add_argument("--weights", default="stored", type=weights_list_one, help=WEIGHTS_HELP)
+
+
+def weights_list(text: str) -> list[str]:
+    from specsamp.loading import WEIGHTS
+
+    items = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in items if w not in WEIGHTS]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"weights must be among {', '.join(WEIGHTS)}, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def weights_list_one(text: str) -> str:
+    items = weights_list(text)
+    if len(items) != 1:
+        raise argparse.ArgumentTypeError(f"one weight format here, got {text!r}")
+    return items[0]
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +76,7 @@ def spec_from(args, draft: str | None = None, k: int | None = None, sampling=Non
         k=args.k if k is None else k,
         sampling=sampling or sampling_from(args),
         max_new_tokens=args.max_new_tokens,
+        weights=args.weights,
         **extra,
     )
 

@@ -43,7 +43,7 @@ def run(args) -> int:
     def log(msg: str) -> None:
         status(f"{time.strftime('%H:%M:%S')} {msg}")
 
-    target = load_model(cfg.target)
+    target = load_model(cfg.target, "float32")  # training differentiates through its weights
     os.makedirs(cfg.out_dir, exist_ok=True)
     if args.stage in ("data", "all"):
         deadline = time.time() + 60 * args.minutes if args.minutes else None

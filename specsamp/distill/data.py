@@ -70,17 +70,14 @@ class Teacher:
         import jax
         import jax.numpy as jnp
 
-        from specsamp.models.llama import Transformer, init_cache
+        from specsamp.models import Model
 
         cfg = target.cfg
         self.params, self.seq_len, self.batch = target.params, seq_len, batch
 
         @jax.jit
         def forward(params, tokens):
-            b, t = tokens.shape
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            logits, _ = Transformer(cfg).apply({"params": params}, tokens, positions,
-                                               init_cache(cfg, b, t))
+            logits = Model(cfg).full_forward(params, tokens)
             probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
             p, ids = jax.lax.top_k(probs, top_k)
             return ids, p

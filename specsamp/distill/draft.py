@@ -40,8 +40,10 @@ def init_from_target(target_params: dict, init_layers: tuple[int, ...], target_l
     bad = [i for i in init_layers if not 0 <= i < target_layers]
     if bad or not init_layers:
         raise UserError(f"init_layers must be target layer indices 0..{target_layers - 1}, got {list(init_layers)}")
+    from specsamp.models import Model
+
     idx = jnp.asarray(init_layers)
-    trainable = {"layers": jax.tree.map(lambda a: a[idx], target_params["layers"]),
+    trainable = {"layers": Model.layer_params(target_params, idx),
                  "final_norm": target_params["final_norm"]}
     frozen = {k: jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32), v)
               for k, v in target_params.items() if k in FROZEN}

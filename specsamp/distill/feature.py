@@ -54,7 +54,7 @@ def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) 
     import jax
     import jax.numpy as jnp
 
-    from specsamp.models.llama import Transformer, init_cache
+    from specsamp.models import Model
 
     out_dir = os.path.join(os.path.dirname(split_dir.rstrip("/")), "features",
                            os.path.basename(split_dir.rstrip("/")))
@@ -63,11 +63,7 @@ def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) 
 
     @jax.jit
     def hidden(tokens):
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        h, _ = Transformer(cfg).apply({"params": target.params}, tokens, positions,
-                                      init_cache(cfg, b, t), head=False)
-        return h.astype(jnp.float16)
+        return Model(cfg).full_forward(target.params, tokens, head=False).astype(jnp.float16)
 
     for path in sorted(glob.glob(os.path.join(split_dir, "*.npz"))):
         if path.endswith(".tmp.npz"):
@@ -108,21 +104,17 @@ def make_fns(cfg, tc: FeatureTrainConfig, opt):
     import optax
 
     from specsamp.distill.draft import merge
-    from specsamp.models.feature_draft import FeatureDraft, module_params
-    from specsamp.models.llama import init_cache
+    from specsamp.models.feature_draft import FeatureModel, head_product
 
-    model = FeatureDraft(cfg)
+    model = FeatureModel(cfg)
 
     def shift(h):  # position j reads the feature of position j - 1 (zeros at 0)
         return jnp.pad(h, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
     def terms(params, batch, feats_in):
         tokens = batch["tokens"]
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        g, _ = model.apply({"params": module_params(params)}, tokens, feats_in, positions,
-                           init_cache(cfg, b, t))
-        logp = jax.nn.log_softmax(jnp.einsum("btd,dn->btn", g, params["head"]["kernel"]), axis=-1)
+        g = model.full_forward(params, tokens, feats_in)
+        logp = jax.nn.log_softmax(head_product(g, params["head"]["kernel"]), axis=-1)
         to_sub = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[params["head_ids"]].set(
             jnp.arange(params["head_ids"].shape[0], dtype=jnp.int32))
         ids = to_sub[batch["top_ids"].astype(jnp.int32)]

@@ -74,19 +74,16 @@ def make_fns(draft_cfg, tv_weight: float, opt, subset: np.ndarray | None = None)
     import jax
     import jax.numpy as jnp
 
-    from specsamp.models.llama import Transformer, init_cache
+    from specsamp.models import Model
 
-    model = Transformer(draft_cfg)
+    model = Model(draft_cfg)
     if subset is not None:
         sub = jnp.asarray(subset)
         to_sub = jnp.full((draft_cfg.vocab_size,), -1, jnp.int32).at[sub].set(jnp.arange(len(subset)))
 
     def forward_subset(params, tokens):
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        hidden, _ = model.apply({"params": params}, tokens, positions, init_cache(draft_cfg, b, t), head=False)
-        rows = (params["embed"]["embedding"][sub] if draft_cfg.tie_embeddings
-                else params["lm_head"]["kernel"][:, sub].T)
+        hidden = model.full_forward(params, tokens, head=False)
+        rows = model.head_rows(params, sub)
         logits = jnp.einsum("btd,nd->btn", hidden, rows).astype(jnp.float32)
         return jax.nn.log_softmax(logits, axis=-1)
 
@@ -100,9 +97,7 @@ def make_fns(draft_cfg, tv_weight: float, opt, subset: np.ndarray | None = None)
         return ce, overlap
 
     def forward(params, tokens):
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        logits, _ = model.apply({"params": params}, tokens, positions, init_cache(draft_cfg, b, t))
+        logits = model.full_forward(params, tokens)
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
     def stats(params, batch):

@@ -2,13 +2,19 @@
 local or on gs:// (any fsspec URL).
 
     m = load_model(None)                  # the embedded default (downloaded on first use)
-    m = load_model("gs://bucket/my-hf-folder")
+    m = load_model("gs://bucket/my-hf-folder", weights="int8")
     m.cfg, m.params, m.tokenizer, m.name
 
-Parameters come back as float32 jax arrays in the layout of
-`specsamp.models.llama.Transformer(m.cfg)`. A GGUF file is dequantized once and the float32
-result kept in the cache (keyed by the file's sha256): reading it back is several times
-faster than parsing and dequantizing again.
+Parameters come back as jax arrays in the layout of `specsamp.models.llama.Transformer(m.cfg)`.
+`weights` says in which form (WEIGHTS):
+- "stored" (the default): as the file stores them. GGUF matrices in Q4_0, Q4_1 and Q8_0 stay
+  in their blocks (`specsamp.quant.QWeight`), the same model at a quarter of the bytes; other
+  tensors, and Hugging Face checkpoints, are float32. Nothing is written to the cache.
+- "float32": everything dequantized to float32. A GGUF file is dequantized once and the
+  float32 result kept in the cache (keyed by the file's sha256): reading it back is several
+  times faster than parsing and dequantizing again.
+- "int8": the float32 weights rounded to int8 per output channel (weight-only): a different
+  model from its source, nearly the same; speculative sampling is exact for it as for any.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from specsamp.errors import UserError
 from specsamp.loading import fs
 
@@ -29,31 +37,62 @@ if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help`
     from specsamp.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
+WEIGHTS = ("stored", "float32", "int8")
 _CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     cfg: ModelConfig
-    params: dict  # nested dict of float32 jax arrays, Transformer(cfg)'s tree
+    params: dict  # Transformer(cfg)'s tree: float32 jax arrays or quantized QWeights
     tokenizer: Tokenizer
     name: str  # short id for reports: "smollm2" or the path as given
     load_seconds: float = 0.0
+    weights: str = "float32"  # one of WEIGHTS
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held in memory (what a decode step streams)."""
+        import jax
+
+        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(self.params))
 
 
-def load_model(spec: str | None = None) -> LoadedModel:
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise UserError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    return weights
+
+
+def load_model(spec: str | None = None, weights: str = "stored") -> LoadedModel:
     """The model named by `spec`: None or "smollm2" (the embedded default), or a local path
-    or URL of a .gguf file or of a Hugging Face folder."""
+    or URL of a .gguf file or of a Hugging Face folder; weights as `weights` says."""
     start = time.perf_counter()
     name = spec or DEFAULT_MODEL
+    stored = check_weights(weights) == "stored"
     if name == DEFAULT_MODEL:
         from specsamp.download import ensure_smollm2
 
-        cfg, flat, tokenizer = _load_gguf(ensure_smollm2())
+        cfg, flat, tokenizer = _load_gguf(ensure_smollm2(), stored)
     else:
-        cfg, flat, tokenizer = _load_path(name)
+        cfg, flat, tokenizer = _load_path(name, stored)
+    if weights == "int8":
+        flat = _int8(flat)
     params = _to_jax_tree(flat, cfg, name)
-    return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start)
+    return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start, weights)
+
+
+def _int8(flat: dict) -> dict:
+    """Every weight matrix (kernels, embedding, head) as int8 per output channel."""
+    from specsamp.quant import quantize_int8_rows
+
+    out = dict(flat)
+    for key, w in flat.items():
+        if key.endswith("/kernel"):  # [..., in, out]: channels are the last axis
+            out[key] = {**quantize_int8_rows(np.swapaxes(w, -1, -2)), "transposed": True}
+        elif key == "embed/embedding":  # [V, D]: a channel is a token's row
+            out[key] = {**quantize_int8_rows(w), "transposed": False}
+    return out
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -71,7 +110,7 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
             f"{target.cfg.vocab_size}; both heads must have the same size")
 
 
-def _load_path(path: str):
+def _load_path(path: str, stored: bool):
     path = path.removeprefix("file://")
     kind = fs.kind_of(path)
     if kind == "missing":
@@ -79,7 +118,7 @@ def _load_path(path: str):
     if kind == "file":
         if not path.lower().endswith(".gguf"):
             raise UserError(f"{path}: expected a .gguf file or a Hugging Face folder")
-        return _load_gguf(fs.local_file(path))
+        return _load_gguf(fs.local_file(path), stored)
     return _load_hf(path)
 
 
@@ -98,14 +137,15 @@ def _load_hf(path: str):
     return read_hf(path)
 
 
-def _load_gguf(path: str):
+def _load_gguf(path: str, stored: bool):
     from specsamp import tokenizer as tok
+    from specsamp.loading.gguf import read_gguf
 
+    if stored:  # the blocks are read straight from the file: no float32 copy in the cache
+        return read_gguf(path, stored=True)
     folder = fs.cache_dir("converted") / f"{fs.sha256_file(path)[:32]}-v{_CACHE_FORMAT}"
     if (folder / "model.json").exists():
         return _read_converted(folder)
-    from specsamp.loading.gguf import read_gguf
-
     cfg, flat, tokenizer = read_gguf(path)
     try:
         _write_converted(folder, cfg, flat, tokenizer, tok.meta_to_json(tokenizer.meta))
@@ -152,17 +192,29 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
     config disagrees with its weights is refused here rather than failing inside jit)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from specsamp.models.llama import Transformer, init_cache
+    from specsamp.models import Model
+    from specsamp.quant import to_qweight
+    from specsamp.quant.blocks import block_bits
+    from specsamp.quant.kernels import default_backend
 
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    expected = jax.eval_shape(
-        lambda t: Transformer(cfg).init(jax.random.PRNGKey(0), t, t, init_cache(cfg, 1, 1)), tokens
-    )["params"]
+    backend = default_backend() if any(isinstance(v, dict) for v in flat.values()) else "xla"
+
+    def shape(v):
+        if not isinstance(v, dict):
+            return tuple(v.shape)
+        rows, cols = v["codes"].shape[-2], block_bits(v)[1] * v["scale"].shape[-1]
+        return tuple(v["codes"].shape[:-2]) + ((cols, rows) if v["transposed"] else (rows, cols))
+
+    def to_jax(v):
+        if not isinstance(v, dict):
+            return jnp.asarray(np.asarray(v, dtype=np.float32))
+        return to_qweight(v, v["transposed"], backend)
+
+    expected = Model(cfg).param_shapes()
     want = {"/".join(k.key for k in path): leaf.shape
             for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
-    got = {k: tuple(v.shape) for k, v in flat.items()}
+    got = {k: shape(v) for k, v in flat.items()}
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))[:3]
         raise UserError(f"{name}: weights do not match the model its config describes: {diff}")
@@ -172,5 +224,5 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = jnp.asarray(np.asarray(value, dtype=np.float32))
+        node[leaf] = to_jax(value)
     return tree

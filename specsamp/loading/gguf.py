@@ -40,9 +40,14 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
-    """(config, flat {"layers/attn/q/kernel": float32 array} in the Transformer's layout,
-    tokenizer)."""
+# Block formats kept as they are stored with `stored=True` (others are dequantized).
+STORED_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def read_gguf(path: str, stored: bool = False) -> tuple[ModelConfig, dict, Tokenizer]:
+    """(config, flat {"layers/attn/q/kernel": array} in the Transformer's layout, tokenizer).
+    Arrays are float32; with `stored`, matrices in STORED_KINDS come as block fields
+    (`specsamp.quant.blocks.from_gguf_blocks`, plus 'transposed')."""
     import gguf
 
     try:
@@ -56,7 +61,7 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
                         f"(supported: {', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     cfg = _config(meta, arch, tensors)
-    params = _params(tensors, cfg, permuted_qk=arch in _PERMUTED_QK)
+    params = _params(tensors, cfg, permuted_qk=arch in _PERMUTED_QK, stored=stored)
     return cfg, params, _tokenizer(meta)
 
 
@@ -129,29 +134,63 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _params(tensors: dict, cfg: ModelConfig, permuted_qk: bool) -> dict:
+def _matrix(tensor, stored: bool, transposed: bool, unpermute: int = 0):
+    """A GGUF matrix [out, in]: float32 (transposed to [in, out] for kernels), or with
+    `stored` and a block format, its fields {codes, scale, min, transposed} in [out] rows.
+    `unpermute`: the head count whose Q/K row permutation to undo (0: none)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from specsamp.quant.blocks import from_gguf_blocks
+
+    kind = Q(tensor.tensor_type).name
+    if stored and kind in STORED_KINDS:
+        cols, rows = (int(n) for n in tensor.shape)
+        fields = from_gguf_blocks(np.asarray(tensor.data), kind, rows, cols)
+        if unpermute:
+            fields = {k: None if v is None else np.ascontiguousarray(unpermute_qk(v, unpermute))
+                      for k, v in fields.items()}
+        return {**fields, "transposed": transposed}
+    w = dequantize(tensor)
+    if unpermute:
+        w = unpermute_qk(w, unpermute)
+    return w.T if transposed else w
+
+
+def _stack(items: list):
+    """Stack per-layer arrays, or per-layer block fields field by field."""
+    if isinstance(items[0], dict):
+        return {k: (None if items[0][k] is None else np.stack([it[k] for it in items]))
+                if k != "transposed" else items[0][k] for k in items[0]}
+    # np.stack keeps the transposed views' strides; safetensors writes raw buffers.
+    return np.ascontiguousarray(np.stack(items))
+
+
+def _params(tensors: dict, cfg: ModelConfig, permuted_qk: bool, stored: bool = False) -> dict:
     known = set(_GLOBAL_TENSORS) | {f"blk.{i}.{n}" for i in range(cfg.n_layers)
                                     for n in _LAYER_TENSORS}
     unknown = sorted(set(tensors) - known)
     if unknown:
         raise UserError(f"unexpected GGUF tensors (unsupported model variant): {unknown[:4]}")
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
-    params = {"embed/embedding": dequantize(tensors["token_embd.weight"]),
+    params = {"embed/embedding": _matrix(tensors["token_embd.weight"], stored, transposed=False),
               "final_norm/scale": dequantize(tensors["output_norm.weight"])}
     for suffix, dest in _LAYER_TENSORS.items():
         if f"blk.0.{suffix}" not in tensors:
             continue
+        kind = suffix.split(".")[0]
+        unpermute = heads[kind] if permuted_qk and kind in heads else 0
         stack = []
         for i in range(cfg.n_layers):
-            w = dequantize(tensors[f"blk.{i}.{suffix}"])
-            kind = suffix.split(".")[0]
-            if permuted_qk and kind in heads:
-                w = unpermute_qk(w, heads[kind])
-            stack.append(w.T if dest.endswith("kernel") else w)
-        # np.stack keeps the transposed views' strides; safetensors writes raw buffers.
-        params[f"layers/{dest}"] = np.ascontiguousarray(np.stack(stack))
+            t = tensors[f"blk.{i}.{suffix}"]
+            if dest.endswith("kernel"):
+                stack.append(_matrix(t, stored, transposed=True, unpermute=unpermute))
+            else:
+                w = dequantize(t)
+                stack.append(unpermute_qk(w, unpermute) if unpermute else w)
+        params[f"layers/{dest}"] = _stack(stack)
     if not cfg.tie_embeddings:
-        params["lm_head/kernel"] = np.ascontiguousarray(dequantize(tensors["output.weight"]).T)
+        w = _matrix(tensors["output.weight"], stored, transposed=True)
+        params["lm_head/kernel"] = w if stored and isinstance(w, dict) else np.ascontiguousarray(w)
     return params
 
 

@@ -1,5 +1,7 @@
-"""Llama-family decoder (Flax) and its fixed-size KV cache."""
+"""Llama-family decoder (Flax), its fixed-size KV cache, and `Model`, the seam every
+caller goes through."""
 
 from specsamp.models.llama import KVCache, ModelConfig, Transformer, init_cache
+from specsamp.models.model import Model
 
-__all__ = ["KVCache", "ModelConfig", "Transformer", "init_cache"]
+__all__ = ["KVCache", "Model", "ModelConfig", "Transformer", "init_cache"]

@@ -17,10 +17,15 @@ A step then reads N head rows instead of V: most of a one-layer draft's cost.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from specsamp.models.llama import KVCache, ModelConfig, rope_tables, setup_decoder
+from specsamp.models.llama import (
+    KVCache, Linear, ModelConfig, rope_tables, run_layers, setup_decoder,
+)
 
 BORROWED = ("embed", "lm_head", "head")
 
@@ -33,18 +38,44 @@ class FeatureDraft(nn.Module):
 
     def setup(self):
         setup_decoder(self)
-        self.fc = nn.Dense(self.cfg.d_model, use_bias=False, name="fc")
+        self.fc = Linear(self.cfg.d_model, use_bias=False, name="fc")
 
     def __call__(self, tokens, features, positions, cache: KVCache):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
-        return self.final_norm(x), KVCache(k=k, v=v)
+        x, cache = run_layers(self, x, cache, cos, sin, positions)
+        return self.final_norm(x), cache
 
     def logits(self, g):
         if self.cfg.tie_embeddings:
             return self.embed.attend(g).astype(jnp.float32)
         return self.lm_head(g).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureModel:
+    """The seam for the feature draft, as `specsamp.models.Model` is for decoders:
+    static config, traced parameters (own weights plus the borrowed embedding/head and the
+    optional reduced head)."""
+
+    cfg: ModelConfig
+
+    def forward(self, params, tokens, features, positions, cache: KVCache):
+        """(g [B, T, D], cache): the draft's guesses of the target's hidden states."""
+        return FeatureDraft(self.cfg).apply({"params": module_params(params)}, tokens, features,
+                                            positions, cache)
+
+    def full_forward(self, params, tokens, features):
+        """g [B, T, D] over tokens [B, T] at positions 0..T-1 with a fresh cache."""
+        from specsamp.models.llama import init_cache
+
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        g, _ = self.forward(params, tokens, features, positions, init_cache(self.cfg, b, t))
+        return g
+
+    def logits(self, params, g):
+        return draft_logits(self.cfg, params, g)
 
 
 def module_params(params):
@@ -57,26 +88,32 @@ def draft_logits(cfg: ModelConfig, params, g):
     into V with a very low logit (probability exactly 0 after softmax) elsewhere."""
     if "head_ids" not in params:
         return FeatureDraft(cfg).apply({"params": module_params(params)}, g, method=FeatureDraft.logits)
-    sub = jnp.einsum("...d,dn->...n", g, params["head"]["kernel"]).astype(jnp.float32)
+    sub = head_product(g, params["head"]["kernel"])
     full = jnp.full(g.shape[:-1] + (cfg.vocab_size,), -1e30, jnp.float32)
     return full.at[..., params["head_ids"]].set(sub)
 
 
+def head_product(g, kernel):
+    """g [..., D] times the reduced head's kernel [D, N] (float or quantized) -> float32."""
+    from specsamp.quant import is_quantized, matmul
+
+    if is_quantized(kernel):
+        return matmul(g, kernel)
+    return jnp.einsum("...d,dn->...n", g, kernel).astype(jnp.float32)
+
+
 def reduced_head(target_cfg: ModelConfig, target_params, head_ids):
     """{'head_ids', 'head'} for the given token ids, from the target's head rows."""
+    from specsamp.models.model import Model
+
     ids = jnp.asarray(head_ids, jnp.int32)
-    if target_cfg.tie_embeddings:
-        kernel = target_params["embed"]["embedding"][ids].T
-    else:
-        kernel = target_params["lm_head"]["kernel"][:, ids]
-    return {"head_ids": ids, "head": {"kernel": kernel}}
+    return {"head_ids": ids, "head": {"kernel": Model(target_cfg).head_rows(target_params, ids).T}}
 
 
 def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1,
                        seed: int = 0, init_layer: int | None = 0):
     """Draft parameters: borrowed embedding/head, `fc` as [identity on the embedding half;
     zero] (so the untrained draft starts as the target's layer `init_layer` on tokens)."""
-    import jax
 
     cfg = target_cfg.truncated(n_layers)
     d = cfg.d_model
@@ -93,7 +130,9 @@ def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1
     params["fc"] = {"kernel": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)}
     if init_layer is not None:
         idx = jnp.arange(init_layer, init_layer + n_layers)
-        params["layers"] = jax.tree.map(lambda a: a[idx], target_params["layers"])
+        from specsamp.models.model import Model
+
+        params["layers"] = Model(target_cfg).layer_params(target_params, idx)
         params["final_norm"] = target_params["final_norm"]
     return cfg, params
 
@@ -177,4 +216,32 @@ def load_feature_draft(path: str, target):
             params[name] = target.params[name]
     if "head_ids" in params:
         params.update(reduced_head(tc, target.params, params["head_ids"]))
+    if getattr(target, "weights", "float32") != "float32":
+        params = _compact(params, tc, target.params)
     return tc.truncated(int(manifest["n_layers"])), params
+
+
+def _compact(params, target_cfg: ModelConfig, target_params):
+    """With a quantized target: the reduced head as the target's own quantized rows (the
+    same values, a quarter of the bytes), the draft's matrices int8 per output channel (a
+    slightly different draft: sampling stays exact, only acceptance may move)."""
+    from specsamp.quant import int8_kernel, is_quantized, take_rows
+
+    table = target_params["embed"]["embedding"] if target_cfg.tie_embeddings \
+        else target_params["lm_head"]["kernel"]
+    out = dict(params)
+    if "head_ids" in params and is_quantized(table):
+        out["head"] = {"kernel": take_rows(table, params["head_ids"], transposed=True)}
+        backend = table.backend
+    else:
+        from specsamp.quant.kernels import default_backend
+
+        backend = default_backend()
+
+    def compact(path, leaf):
+        name = path[-1].key if hasattr(path[-1], "key") else ""
+        return int8_kernel(leaf, backend) if name == "kernel" else leaf
+
+    for own in ("fc", "layers"):
+        out[own] = jax.tree_util.tree_map_with_path(compact, params[own])
+    return out

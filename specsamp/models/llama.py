@@ -24,6 +24,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specsamp.quant import dequantize_rows, is_quantized, matmul
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -58,17 +60,67 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, J, E]
-    v: jax.Array  # [L, B, S, J, E]
+    # Heads before slots, so that attention reads each (row, head)'s [S, E] block as it
+    # lies (a slot-major cache costs two transposed copies of the cache per layer).
+    k: jax.Array  # [L, B, J, S, E]
+    v: jax.Array  # [L, B, J, S, E]
 
     @property
     def size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def _stored(module: nn.Module, name: str, init, shape):
+    """The parameter `name`: declared (with its float shape) when initializing, otherwise
+    read as stored, which may be a quantized `QWeight` (Flax's `param` would compare its
+    leaves against the float shape and refuse it)."""
+    if module.is_initializing() or not module.has_variable("params", name):
+        return module.param(name, init, shape)
+    return module.get_variable("params", name)
+
+
+class Linear(nn.Module):
+    """nn.Dense over a float or quantized kernel [in, out] (same parameter names)."""
+
+    features: int
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = _stored(self, "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        if is_quantized(kernel):
+            y = matmul(x, kernel).astype(x.dtype)
+        else:
+            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        return y
+
+
+class Embed(nn.Module):
+    """nn.Embed over a float or quantized table [V, D]: lookup, and `attend` (the tied head)."""
+
+    num_embeddings: int
+    features: int
+
+    def setup(self):
+        self.embedding = _stored(self, "embedding", nn.initializers.variance_scaling(
+            1.0, "fan_in", "normal", out_axis=0), (self.num_embeddings, self.features))
+
+    def __call__(self, ids):
+        if is_quantized(self.embedding):
+            return dequantize_rows(self.embedding, ids.reshape(-1)).reshape(ids.shape + (-1,))
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, query):
+        if is_quantized(self.embedding):
+            return matmul(query, self.embedding)
+        return jnp.dot(query, self.embedding.T)
 
 
 class RMSNorm(nn.Module):
@@ -97,11 +149,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _write(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, T, J, E] into cache_layer [B, S, J, E] at each row's start slot."""
-    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0)))(
-        cache_layer, new, start
-    )
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, J, E] into a layer's cache [B, J, S, E] at each row's start slot."""
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, J, T, E]
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))(
+        cache, new, start)
 
 
 class Attention(nn.Module):
@@ -109,26 +161,26 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, positions, k_cache, v_cache):
+        """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = nn.Dense(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
-        k = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
-        v = nn.Dense(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
+        q = Linear(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
+        k = Linear(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
+        v = Linear(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         start = positions[:, 0]
-        k_cache = _write(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = _write(v_cache, v.astype(v_cache.dtype), start)
+        k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
 
         q = q.reshape(b, t, j, h // j, e) * (e**-0.5)
-        scores = jnp.einsum("btjge,bsje->bjgts", q, k_cache).astype(jnp.float32)
-        slots = jnp.arange(k_cache.shape[1])
+        scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
+        slots = jnp.arange(k_cache.shape[2])
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bjgts,bsje->btjge", weights, v_cache).reshape(b, t, h * e)
-        return nn.Dense(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
+        out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
+        return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -136,9 +188,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        gate = nn.Dense(self.cfg.d_ff, use_bias=False, name="gate")(x)
-        up = nn.Dense(self.cfg.d_ff, use_bias=False, name="up")(x)
-        return nn.Dense(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+        gate = Linear(self.cfg.d_ff, use_bias=False, name="gate")(x)
+        up = Linear(self.cfg.d_ff, use_bias=False, name="up")(x)
+        return Linear(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -155,11 +207,36 @@ class Block(nn.Module):
         return x, (k_cache, v_cache)
 
 
+def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions):
+    """The layer stack of `module` (set up by `setup_decoder`) over x: (x, new cache).
+
+    At init, Flax's nn.scan declares the stacked weights. At apply, a plain lax.scan over
+    the layer index hands each layer a view of the stacked weights: a quantized weight on
+    the native kernels keeps the whole stack and the index (the kernel reads the layer in
+    place), where a sliced operand would make XLA copy every layer's bytes each step."""
+    if module.is_initializing():
+        x, (k, v) = module.layers(x, (cache.k, cache.v), cos, sin, positions)
+        return x, KVCache(k=k, v=v)
+    from specsamp.quant import layer_view
+
+    stacked = module.variables["params"]["layers"]
+    block = Block(module.cfg, parent=None)  # a free module, applied to one layer at a time
+
+    def body(x, inputs):
+        i, k, v = inputs
+        layer = jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)
+        x, (k, v) = block.apply({"params": layer}, x, (k, v), cos, sin, positions)
+        return x, (k, v)
+
+    x, (k, v) = jax.lax.scan(body, x, (jnp.arange(cache.k.shape[0]), cache.k, cache.v))
+    return x, KVCache(k=k, v=v)
+
+
 def setup_decoder(module: nn.Module) -> None:
     """Embedding, the scanned layer stack, final norm and (untied) head of `module.cfg`:
     shared by the decoder and the feature-conditioned draft, so their weights line up."""
     cfg = module.cfg
-    module.embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+    module.embed = Embed(cfg.vocab_size, cfg.d_model, name="embed")
     module.layers = nn.scan(
         Block,
         variable_axes={"params": 0},
@@ -169,7 +246,7 @@ def setup_decoder(module: nn.Module) -> None:
     )(cfg, name="layers")
     module.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
     if not cfg.tie_embeddings:
-        module.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")
+        module.lm_head = Linear(cfg.vocab_size, use_bias=False, name="lm_head")
 
 
 class Transformer(nn.Module):
@@ -185,10 +262,10 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
         x = self.embed(tokens)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, (k, v) = self.layers(x, (cache.k, cache.v), cos, sin, positions)
+        x, cache = run_layers(self, x, cache, cos, sin, positions)
         hidden = self.final_norm(x)
         out = self.logits(hidden) if head else hidden
-        return out, KVCache(k=k, v=v)
+        return out, cache
 
     def logits(self, hidden):
         if self.cfg.tie_embeddings:

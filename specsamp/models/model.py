@@ -1,0 +1,89 @@
+"""`Model`: the one way the rest of specsamp calls a decoder.
+
+A `Model` is static and hashable (it goes into compiled programs as a constant); its
+parameters are a separate, traced pytree, so one compiled program serves any weights of the
+same shapes and formats. Every forward pass, head read and layer slice goes through here, so
+a change of weight format (quantized blocks, `specsamp.quant`) or of placement touches this
+file and the layers below it, not the decoding loop.
+
+    model = Model(cfg)
+    logits, cache = model.forward(params, tokens, positions, cache)
+    hidden, cache = model.forward(params, tokens, positions, cache, head=False)
+    logits = model.logits(params, hidden)
+    rows = model.head_rows(params, ids)          # [N, D] float32 head rows
+    small, small_params = model.first_layers(params, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specsamp.models.llama import KVCache, ModelConfig, Transformer, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    cfg: ModelConfig
+
+    def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
+        """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
+        the cache with this call's keys/values written at `positions`)."""
+        return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache, head=head)
+
+    def full_forward(self, params, tokens, head: bool = True):
+        """Teacher-forced pass over tokens [B, T] at positions 0..T-1 with a fresh cache."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        out, _ = self.forward(params, tokens, positions, self.init_cache(b, t), head=head)
+        return out
+
+    def logits(self, params, hidden):
+        """The head on final-normed hidden states [..., D] -> float32 [..., V]."""
+        return Transformer(self.cfg).apply({"params": params}, hidden, method=Transformer.logits)
+
+    def head_rows(self, params, ids) -> jax.Array:
+        """Float32 head rows [N, D] of token ids [N] (embedding rows when tied)."""
+        from specsamp.quant import dequantize_rows, is_quantized
+
+        ids = jnp.asarray(ids, jnp.int32)
+        w = params["embed"]["embedding"] if self.cfg.tie_embeddings else params["lm_head"]["kernel"]
+        if is_quantized(w):
+            return dequantize_rows(w, ids)
+        return w[ids] if self.cfg.tie_embeddings else w[:, ids].T
+
+    def embed_rows(self, params) -> jax.Array:
+        """The whole embedding table [V, D], float32 (training and export only)."""
+        from specsamp.quant import dequantize
+
+        return dequantize(params["embed"]["embedding"])
+
+    @staticmethod
+    def layer_params(params, idx):
+        """The stacked layer weights at layer indices `idx` (array of ints or a slice)."""
+        return jax.tree.map(lambda a: a[idx], params["layers"])
+
+    def first_layers(self, params, n_layers: int):
+        """(Model, params) of this model's first `n_layers` layers (early exit)."""
+        return (Model(self.cfg.truncated(n_layers)),
+                {**params, "layers": self.layer_params(params, slice(0, n_layers))})
+
+    def param_shapes(self):
+        """The float parameter tree's shapes (jax.ShapeDtypeStruct leaves), without weights."""
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        return jax.eval_shape(lambda t: Transformer(self.cfg).init(
+            jax.random.PRNGKey(0), t, t, self.init_cache(1, 1)), tokens)["params"]
+
+    def step_bytes(self, params) -> int:
+        """Weight bytes one decode step reads: every matrix once (the embedding table too
+        when it is the tied head; an untied embedding only reads a row per token)."""
+        def nbytes(tree):
+            return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+        total = nbytes(params)
+        return total if self.cfg.tie_embeddings else total - nbytes(params["embed"])
+
+    def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+        return init_cache(self.cfg, batch, slots, dtype)

@@ -1,0 +1,102 @@
+"""The native CPU kernels (qkernels.cc) as XLA FFI targets, and the choice of backend.
+
+The shared library is built from source by the package's install (`pip install -e .`, or
+`python setup.py build_ext --inplace`) with the machine's C++ compiler and the FFI headers
+that ship with jaxlib. Where it is missing (or on TPU/GPU) quantized products run on the
+pure-XLA reference path (`specsamp.quant.blocks.matmul`), with one message saying so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+_TARGETS = {"specsamp_q4_matmul": "SpecsampQ4Matmul", "specsamp_q8_matmul": "SpecsampQ8Matmul"}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
+
+
+def library_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_qkernels*.so")))
+    return found[0] if found else None
+
+
+def load() -> str | None:
+    """Register the FFI targets once. Returns None when ready, else why not (one line)."""
+    with _LOCK:
+        if "error" not in _STATE:
+            _STATE["error"] = _load()
+        return _STATE["error"]
+
+
+def _load() -> str | None:
+    path = library_path()
+    if path is None:
+        return ("native quantized kernels not built (run `pip install -e .` or "
+                "`python setup.py build_ext --inplace`)")
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        for name, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        _STATE["isa"] = ISA_NAMES.get(int(lib.specsamp_isa()), "?")
+    except (OSError, AttributeError, RuntimeError, ValueError) as e:
+        return f"native quantized kernels unusable ({type(e).__name__}: {e})"
+    return None
+
+
+def isa() -> str | None:
+    """'avx512', 'avx2' or 'portable': the vector code the kernels run (None: not loaded)."""
+    return None if load() else _STATE.get("isa")
+
+
+def default_backend() -> str:
+    """'cpu' (native kernels) on a CPU backend where they load, else 'xla'.
+    SPECSAMP_QUANT_BACKEND=xla forces the reference path."""
+    if os.environ.get("SPECSAMP_QUANT_BACKEND", "").lower() == "xla":
+        return "xla"
+    if jax.default_backend() != "cpu":
+        return "xla"
+    error = load()
+    if error:
+        if not _STATE.get("warned"):
+            _STATE["warned"] = True
+            print(f"specsamp: {error}; using the slower XLA path for quantized weights",
+                  file=sys.stderr)
+        return "xla"
+    return "cpu"
+
+
+def supports(w) -> bool:
+    """Whether the kernels take this QWeight's layout (Q4_0 with float32 minimums do not)."""
+    if w.bits == 4:
+        return w.scale.dtype == jnp.float16 and w.min is not None and w.min.dtype == jnp.float16
+    return w.scale.dtype in (jnp.float16, jnp.float32)
+
+
+def qmatmul(x: jax.Array, w) -> jax.Array:
+    """x [..., C] @ W.T with W [N, C] in blocks, on the kernels. A layer view (w.layer
+    set) passes the whole stack [L, N, ...] and the index: the kernel reads the layer in
+    place, so XLA copies nothing."""
+    lead, c = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, c).astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32)
+    if w.layer is None:
+        stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
+        layer, codes, scale, minimum = jnp.int32(0), stack(w.codes), stack(w.scale), stack(w.min)
+    else:
+        layer, codes, scale, minimum = w.layer, w.codes, w.scale, w.min
+    if codes.ndim != 3:
+        raise ValueError(f"kernel operands must be one matrix or one stack, got {codes.shape}")
+    if w.bits == 4:
+        y = jax.ffi.ffi_call("specsamp_q4_matmul", out)(layer, x2, codes, scale, minimum)
+    else:
+        y = jax.ffi.ffi_call("specsamp_q8_matmul", out)(layer, x2, codes, scale)
+    return y.reshape(*lead, w.rows)

@@ -1,0 +1,125 @@
+"""Quantized weights kept as blocks (specsamp.quant): the decoded values against gguf-py's
+own dequantizer, and products on the native kernels against the XLA reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specsamp.quant import QWeight, dequantize, dequantize_rows, from_gguf_blocks, matmul
+from specsamp.quant import kernels
+from specsamp.quant.blocks import block_bits, quantize_int8_rows
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes [rows, bytes per row] with random codes and plausible scales."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    d = rng.uniform(-0.02, 0.02, (rows, nb, 1)).astype(np.float16).view(np.uint8)
+    if kind == "Q8_0":
+        q = rng.integers(-128, 128, (rows, nb, 32)).astype(np.int8).view(np.uint8)
+        parts = [d, q]
+    elif kind == "Q4_1":
+        m = rng.uniform(-0.2, 0.2, (rows, nb, 1)).astype(np.float16).view(np.uint8)
+        parts = [d, m, rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    else:
+        parts = [d, rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def qweight(fields: dict, backend: str, transposed: bool = False) -> QWeight:
+    bits, block = block_bits(fields)
+    arr = lambda a: None if a is None else jnp.asarray(a)
+    return QWeight(arr(fields["codes"]), arr(fields["scale"]), arr(fields["min"]), bits=bits,
+                   block=block, transposed=transposed, backend=backend)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoded_values_equal_gguf_dequantizer(kind):
+    """Catches a wrong block layout (nibble order, scale/min offsets, Q4_0's -8 shift): our
+    float32 values must be bit-identical to llama.cpp's reference dequantizer's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    raw = random_blocks(kind, 8, 96)
+    want = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(8, 96).astype(np.float32)
+    w = qweight(from_gguf_blocks(raw, kind, 8, 96), "xla")
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+    ids = jnp.asarray([5, 0, 5, 7])
+    np.testing.assert_array_equal(np.asarray(dequantize_rows(w, ids)), want[[5, 0, 5, 7]])
+    t = qweight(from_gguf_blocks(raw, kind, 8, 96), "xla", transposed=True)
+    np.testing.assert_array_equal(np.asarray(dequantize(t)), want.T)
+
+
+def _kernel_or_skip():
+    error = kernels.load()
+    if error:
+        pytest.skip(error)
+
+
+@pytest.mark.parametrize("kind", KINDS + ("int8",))
+@pytest.mark.parametrize("rows_x", [1, 5, 70])
+def test_kernel_matches_reference(kind, rows_x):
+    """Catches kernel bugs (wrong block indexing, tails of row chunks, R > one pass of
+    rows, threads writing the wrong rows): the native product equals x @ W.T computed in
+    float64 from gguf-py's values, to float32 rounding."""
+    _kernel_or_skip()
+    n, c = 200, 160  # n not a multiple of the 64-row chunk
+    if kind == "int8":
+        dense = np.random.default_rng(1).normal(size=(n, c)).astype(np.float32)
+        fields = quantize_int8_rows(dense)
+    else:
+        fields = from_gguf_blocks(random_blocks(kind, n, c, seed=2), kind, n, c)
+    x = np.random.default_rng(3).normal(size=(rows_x, c)).astype(np.float32)
+    ref = np.asarray(dequantize(qweight(fields, "xla")), np.float64)
+    want = x.astype(np.float64) @ ref.T
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), qweight(fields, "cpu")))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    xla = np.asarray(jax.jit(matmul)(jnp.asarray(x), qweight(fields, "xla")))
+    np.testing.assert_allclose(xla, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_kernel_rows_independent_of_batch():
+    """Catches a kernel whose result for a row depends on the other rows in the call: the
+    K+1 scoring block must give what single steps give (greedy equality rests on it)."""
+    _kernel_or_skip()
+    fields = from_gguf_blocks(random_blocks("Q4_1", 130, 64, seed=4), "Q4_1", 130, 64)
+    w = qweight(fields, "cpu")
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(6, 64)).astype(np.float32))
+    f = jax.jit(matmul)
+    together = np.asarray(f(x, w))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], w)) for i in range(6)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_int8_rows_round_to_nearest():
+    """Catches a wrong per-channel scale: every decoded weight is within half a step of
+    its float source, and each row's largest weight is exact."""
+    dense = np.random.default_rng(6).normal(size=(7, 64)).astype(np.float32)
+    w = qweight(quantize_int8_rows(dense), "xla")
+    back = np.asarray(dequantize(w))
+    step = np.abs(dense).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(back - dense) <= step / 2 + 1e-7)
+    i = np.abs(dense).argmax(axis=1)
+    np.testing.assert_allclose(back[np.arange(7), i], dense[np.arange(7), i], rtol=1e-6)
+
+
+def test_layer_view_reads_the_right_layer():
+    """Catches wrong layer offsets in the kernels (codes, scales or minimums of another
+    layer): a view (whole stack + index) multiplies like the sliced layer on XLA."""
+    _kernel_or_skip()
+    from specsamp.quant import layer_view
+
+    for kind in ("Q4_1", "Q8_0"):
+        layers = [from_gguf_blocks(random_blocks(kind, 40, 64, seed=10 + i), kind, 40, 64)
+                  for i in range(3)]
+        stacked = {k: None if layers[0][k] is None else np.stack([f[k] for f in layers])
+                   for k in layers[0]}
+        w = qweight(stacked, "cpu")
+        x = jnp.asarray(np.random.default_rng(7).normal(size=(3, 64)).astype(np.float32))
+        for i in range(3):
+            view = jax.jit(lambda w, i: matmul(x, layer_view(w, i)))(w, jnp.int32(i))
+            want = matmul(x, qweight(layers[i], "xla"))
+            np.testing.assert_allclose(np.asarray(view), np.asarray(want), rtol=1e-5, atol=1e-5)
