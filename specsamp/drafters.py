@@ -11,13 +11,17 @@
   feature draft) for the other rows; the model's chain is skipped in rounds where every
   running row has a match.
 
-`propose(params, state, keys) -> Proposal`.
+Every drafter follows the `Drafter` protocol below: `propose(params, state, keys) ->
+Proposal` for a speculative round, `sync(params, state)` to keep its cache level with the
+tokens of a plain (K = 0) round, and `with_k(k)` for the same drafter at another K (the
+batch-aware policy switches K between chunks of rounds; the decode state's layout does not
+depend on K).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,27 @@ class Proposal(NamedTuple):
     draft_cache: Any  # the drafter's cache after the round (None: no cache)
     found: jax.Array | None = None  # [B] bool: rows with a real proposal (None: all)
     calls: jax.Array | None = None  # [B] int32 draft calls per row (None: calls_per_round)
+
+
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter (all are hashable frozen dataclasses,
+    static arguments of the compiled programs)."""
+
+    k: int
+    needs_features: bool  # reads the target's hidden states (DecodeState.features)
+
+    @property
+    def uses_cache(self) -> bool: ...  # owns DecodeState.draft_cache
+
+    @property
+    def calls_per_round(self) -> int: ...
+
+    def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal: ...
+
+    def sync(self, params, state: DecodeState) -> Any:
+        """The draft cache after feeding what a plain round leaves out (None: no cache)."""
+
+    def with_k(self, k: int) -> "Drafter": ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +84,26 @@ class ModelDrafter:
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
         return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache)
 
-    def propose(self, params, state: DecodeState, keys: jax.Array):
+    def _catch_up(self, params, state: DecodeState):
+        """Feed the pair (t-1, t): slot t-1 holds the previous round's last token, which is
+        missing from the cache when that round accepted all K (or was a plain round).
+        Returns (logits [B, V] at t, cache)."""
         t = state.current
-        # First call feeds the pair (t-1, t): slot t-1 holds the previous round's last draft
-        # token, which is missing from the cache when that round accepted all K.
         start = jnp.maximum(t - 1, 0)
         pair = gather_window(state.tokens, start, 2)
         positions = start[:, None] + jnp.arange(2)[None, :]
         logits, cache = self.forward(params, pair, positions, state.draft_cache)
-        logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
+        return jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0], cache
+
+    def sync(self, params, state: DecodeState):
+        return self._catch_up(params, state)[1]
+
+    def with_k(self, k: int) -> "ModelDrafter":
+        return dataclasses.replace(self, k=k)
+
+    def propose(self, params, state: DecodeState, keys: jax.Array):
+        t = state.current
+        logits, cache = self._catch_up(params, state)
 
         def feed(tok, i, _, cache):
             logits, cache = self.forward(params, tok[:, None], (t + 1 + i)[:, None], cache)
@@ -139,6 +175,12 @@ class FeatureDrafter:
             state.draft_cache)
         return cache
 
+    def sync(self, params, state: DecodeState):
+        return self.refresh(params, state)[1]
+
+    def with_k(self, k: int) -> "FeatureDrafter":
+        return dataclasses.replace(self, k=k)
+
     def forward(self, params, tokens, positions, cache, features=None):
         """One draft call: (logits [B, T, V], cache); features default to zeros (what the
         cost ratio times: the same work whatever the features are)."""
@@ -193,6 +235,12 @@ class NgramDrafter:
     @property
     def calls_per_round(self) -> int:
         return 0
+
+    def sync(self, params, state: DecodeState):
+        return None
+
+    def with_k(self, k: int) -> "NgramDrafter":
+        return dataclasses.replace(self, k=k)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
@@ -260,6 +308,12 @@ class HybridDrafter:
 
     def forward(self, params, tokens, positions, cache):
         return self.model.forward(params, tokens, positions, cache)
+
+    def sync(self, params, state: DecodeState):
+        return self.model.sync(params, state)
+
+    def with_k(self, k: int) -> "HybridDrafter":
+        return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k))
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         lookup = self.ngram.propose(None, state, keys)
