@@ -86,14 +86,19 @@ def insert(prog: Program, target_params, draft_params, state: DecodeState, promp
 
 def _round(variant: Variant, target_params, draft_params, state, eos_ids, stop_ids):
     prog = variant.prog
-    if prog.drafter is None:
-        return _ar_round(prog, target_params, state, eos_ids, stop_ids)
-    if variant.plain:
-        draft_cache = prog.drafter.sync(draft_params, state)
-        if draft_cache is not None:
-            state = state.replace(draft_cache=draft_cache)
+    if prog.drafter is None or variant.plain:
+        # Plain rounds with a drafter leave its cache behind (`resync` catches up) but keep
+        # the target's features, which only the target can compute.
         return _ar_round(prog, target_params, state, eos_ids, stop_ids)
     return _spec_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
+
+
+@jax.jit(static_argnames=("prog", "width"), donate_argnames=("state",))
+def resync(prog: Program, draft_params, state: DecodeState, width: int) -> DecodeState:
+    """Rebuild the drafter's cache from each row's tokens 0..width-1 (width: at least every
+    running row's length), after plain rounds that did not feed it. Positions past a row's
+    length get stale entries that later writes overwrite, as in prefill."""
+    return state.replace(draft_cache=prog.drafter.prefill(draft_params, state.tokens[:, :width], state))
 
 
 @jax.jit(static_argnames=("variant",), donate_argnames=("state",))
@@ -184,7 +189,13 @@ class ContinuousEngine:
         if self.policy is None or len(self.ks) == 1:
             return self._variants[0], self.ks[0]
         i = self.policy(*run.acceptance())
-        return self._variants[i], self.ks[i]
+        variant = self._variants[i]
+        if run.plain and not variant.plain and variant.prog.drafter.uses_cache:
+            eng = self.engine
+            width = min(prompt_bucket(int(np.asarray(run.state.length).max())), run.state.tokens.shape[1])
+            run.state = resync(variant.prog, eng.draft_params, run.state, width)
+        run.plain = variant.plain
+        return variant, self.ks[i]
 
 
 class _Run:
@@ -203,6 +214,7 @@ class _Run:
         self.accepted = np.zeros(owner.batch)
         self.tested = np.zeros(owner.batch)
         self.reason = np.full(owner.batch, MAX_TOKENS)
+        self.plain = False  # the last chunk ran plain rounds (the drafter's cache is behind)
         self.results: list = [None] * len(prompts)
 
     def active(self) -> list[int]:

@@ -12,10 +12,10 @@
   running row has a match.
 
 Every drafter follows the `Drafter` protocol below: `propose(params, state, keys) ->
-Proposal` for a speculative round, `sync(params, state)` to keep its cache level with the
-tokens of a plain (K = 0) round, and `with_k(k)` for the same drafter at another K (the
-batch-aware policy switches K between chunks of rounds; the decode state's layout does not
-depend on K).
+Proposal` for a speculative round, `prefill(params, tokens, state)` to (re)build its cache
+from tokens (after the prompt, and after plain K = 0 rounds that did not feed it), and
+`with_k(k)` for the same drafter at another K (the batch-aware policy switches K between
+chunks of rounds; the decode state's layout does not depend on K).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class Drafter(Protocol):
 
     def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal: ...
 
-    def sync(self, params, state: DecodeState) -> Any:
-        """The draft cache after feeding what a plain round leaves out (None: no cache)."""
+    def prefill(self, params, tokens: jax.Array, state: DecodeState) -> Any:
+        """The draft cache after feeding tokens [B, W] at positions 0..W-1 (drafters with a
+        cache only)."""
 
     def with_k(self, k: int) -> "Drafter": ...
 
@@ -84,26 +85,18 @@ class ModelDrafter:
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
         return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache)
 
-    def _catch_up(self, params, state: DecodeState):
-        """Feed the pair (t-1, t): slot t-1 holds the previous round's last token, which is
-        missing from the cache when that round accepted all K (or was a plain round).
-        Returns (logits [B, V] at t, cache)."""
-        t = state.current
-        start = jnp.maximum(t - 1, 0)
-        pair = gather_window(state.tokens, start, 2)
-        positions = start[:, None] + jnp.arange(2)[None, :]
-        logits, cache = self.forward(params, pair, positions, state.draft_cache)
-        return jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0], cache
-
-    def sync(self, params, state: DecodeState):
-        return self._catch_up(params, state)[1]
-
     def with_k(self, k: int) -> "ModelDrafter":
         return dataclasses.replace(self, k=k)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         t = state.current
-        logits, cache = self._catch_up(params, state)
+        # First call feeds the pair (t-1, t): slot t-1 holds the previous round's last draft
+        # token, which is missing from the cache when that round accepted all K.
+        start = jnp.maximum(t - 1, 0)
+        pair = gather_window(state.tokens, start, 2)
+        positions = start[:, None] + jnp.arange(2)[None, :]
+        logits, cache = self.forward(params, pair, positions, state.draft_cache)
+        logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
 
         def feed(tok, i, _, cache):
             logits, cache = self.forward(params, tok[:, None], (t + 1 + i)[:, None], cache)
@@ -175,9 +168,6 @@ class FeatureDrafter:
             state.draft_cache)
         return cache
 
-    def sync(self, params, state: DecodeState):
-        return self.refresh(params, state)[1]
-
     def with_k(self, k: int) -> "FeatureDrafter":
         return dataclasses.replace(self, k=k)
 
@@ -235,9 +225,6 @@ class NgramDrafter:
     @property
     def calls_per_round(self) -> int:
         return 0
-
-    def sync(self, params, state: DecodeState):
-        return None
 
     def with_k(self, k: int) -> "NgramDrafter":
         return dataclasses.replace(self, k=k)
@@ -308,9 +295,6 @@ class HybridDrafter:
 
     def forward(self, params, tokens, positions, cache):
         return self.model.forward(params, tokens, positions, cache)
-
-    def sync(self, params, state: DecodeState):
-        return self.model.sync(params, state)
 
     def with_k(self, k: int) -> "HybridDrafter":
         return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k))

@@ -24,12 +24,11 @@ def _eos_engine(sp, drafter, k, max_new):
 
 
 @pytest.mark.parametrize("drafter,k,temperature", [
-    ("none", 1, 0.0), ("model", 3, 0.0), ("hybrid", 2, 0.0), ("feature", 3, 1.0),
-    ("ngram", 2, 0.8), ("none", 1, 1.0),
+    ("none", 1, 1.0), ("model", 3, 0.0), ("hybrid", 2, 0.0), ("feature", 3, 1.0), ("ngram", 2, 0.8),
 ])
 def test_continuous_rows_equal_static_rows(drafter, k, temperature):
     """Each row, inserted into 3 slots at different times next to different rows, has the
-    tokens and statistics it has when run alone in the static engine. Catches a slot that
+    tokens and statistics it has in the static engine. Catches a slot that
     keeps its previous occupant's cache, features or counters, keys that depend on the
     slot, and rows that read their neighbours."""
     sp = SamplingParams(temperature, 0, 0.9 if temperature else 1.0)
@@ -37,8 +36,9 @@ def test_continuous_rows_equal_static_rows(drafter, k, temperature):
     cont = ContinuousEngine(static, batch=3, chunk_rounds=5)
     got = cont.run(PROMPTS, SEEDS)
     lengths = set()
-    for prompt, seed, row in zip(PROMPTS, SEEDS, got):
-        alone = static.run([prompt], [seed])[0]
+    # One static batch (a row's tokens do not depend on its static batch either:
+    # test_exactness.test_sample_depends_only_on_its_seed_not_its_batch).
+    for row, alone in zip(got, static.run(PROMPTS, SEEDS)):
         assert row.token_ids == alone.token_ids
         assert (row.stop_reason, row.accepted, row.calls, row.draft_calls) == (
             alone.stop_reason, alone.accepted, alone.calls, alone.draft_calls)
@@ -53,6 +53,49 @@ def test_continuous_sampling_matches_exact_target_distribution():
     sp = SamplingParams(1.0)
     static = make_engine(sp, "model", 2, max_new=N_TOKENS)
     cont = ContinuousEngine(static, batch=64)
+    n = 6000
+    counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
+    for r in cont.run([PROMPT] * n, list(range(n))):
+        counts[tuple(r.token_ids[:N_TOKENS])] += 1
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+
+
+class _Cycle:
+    """A K policy that walks through the engine's ks in turn (every switch, plain rounds
+    included, happens), recording what it saw."""
+
+    def __init__(self, n):
+        self.n, self.i, self.seen = n, -1, []
+
+    def __call__(self, accepted, tested):
+        assert np.all(accepted <= tested)
+        self.seen.append(len(tested))
+        self.i = (self.i + 1) % self.n
+        return self.i
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_switching_k_between_chunks_keeps_greedy_output(drafter):
+    """Chunks alternate K = 0 (plain rounds, after which the drafter's cache is rebuilt),
+    1 and 3: greedy output equals the static autoregressive engine's token for token.
+    Catches a K switch that corrupts the state or a stale draft cache that changes output."""
+    sp = SamplingParams(0.0)
+    ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
+    policy = _Cycle(3)
+    cont = ContinuousEngine(_eos_engine(sp, drafter, 3, max_new=20), batch=3, ks=(0, 1, 3),
+                            policy=policy, chunk_rounds=3)
+    got = cont.run(PROMPTS, SEEDS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert set(cont.k_rounds) == {0, 1, 3} and max(policy.seen) == 3
+    assert any(r.loops for r in got) and all(r.loops <= r.calls for r in got)
+
+
+def test_switching_k_samples_exactly():
+    """The same switching under sampling (temperature 1, the feature draft whose cache and
+    features must survive plain chunks): chi-square against the exact target law."""
+    sp = SamplingParams(1.0)
+    cont = ContinuousEngine(make_engine(sp, "feature", 3, max_new=N_TOKENS), batch=64,
+                            ks=(0, 1, 3), policy=_Cycle(3), chunk_rounds=1)
     n = 6000
     counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
     for r in cont.run([PROMPT] * n, list(range(n))):
