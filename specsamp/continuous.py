@@ -149,8 +149,11 @@ class ContinuousEngine:
                           else Variant(dataclasses.replace(prog, drafter=prog.drafter.with_k(k)))
                           for k in self.ks]
         self.k_rounds = collections.Counter()  # rounds run per K (statistics)
+        self.prefill_s = self.decode_s = 0.0  # wall seconds of inserts / chunks, all runs
 
-    def _slots(self, bucket: int) -> int:
+    def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
+        """Cache slots per row for a run of `prompts` (one size for every slot)."""
+        bucket = prompt_bucket(max((len(p) for p in prompts), default=1))
         need = bucket + self.engine.max_new_tokens + max(self.ks) + 2
         return -(-need // 128) * 128
 
@@ -163,8 +166,7 @@ class ContinuousEngine:
         for ids in prompts:
             eng.check_prompt(ids)
         n = len(prompts)
-        slots = self._slots(prompt_bucket(max((len(p) for p in prompts), default=1)))
-        state = empty_state(eng.prog, self.batch, slots, eng.max_new_tokens)
+        state = empty_state(eng.prog, self.batch, self.slots_for(prompts), eng.max_new_tokens)
         eos = jnp.asarray(np.array(eng.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
         run = _Run(self, prompts, seeds, state)
@@ -177,6 +179,7 @@ class ContinuousEngine:
                 jnp.int32(self.chunk_rounds), jnp.int32(run.refill_at()))
             rounds = int(rounds)  # waits for the chunk
             self.k_rounds[k] += rounds
+            self.decode_s += time.perf_counter() - t0
             run.charge_decode(time.perf_counter() - t0, rounds, k)
             if should_stop is not None:
                 run.apply_stop_strings(should_stop)
@@ -249,6 +252,7 @@ class _Run:
                             jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(seeds),
                             jnp.asarray(where), eng.max_new_tokens, bucket - 1)
         jax.block_until_ready(self.state.length)
+        self.owner.prefill_s += time.perf_counter() - t0
         share = (time.perf_counter() - t0) / len(take)
         for i in take:
             self.prefill_s[i] = share

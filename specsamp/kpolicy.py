@@ -58,3 +58,15 @@ class KPolicy:
         best = int(np.argmax(rates))
         self.chosen.append(self.ks[best])
         return best
+
+
+K_AUTO = "auto"  # GeneratorSpec.k for this policy
+AUTO_KS = (0, 1, 2, 4)  # the K values `--k auto` switches between (one program each)
+
+
+def auto_policy(engine, batch: int, slots: int, ks: Sequence[int] = AUTO_KS) -> KPolicy:
+    """The policy for `engine` (its drafter at any K) at `batch` slots of `slots` cache
+    slots, from this machine's cost curve (measured on first use, then read from disk)."""
+    from specsamp.costs import cost_curve
+
+    return KPolicy(cost_curve(engine, batch, ks, slots), ks)

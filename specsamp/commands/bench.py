@@ -17,12 +17,18 @@ def _list(kind):
     return parse
 
 
+def _k(text: str):
+    return "auto" if text.strip() == "auto" else int(text)
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure speed-up over the autoregressive baseline")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
     p.add_argument("--draft", default="auto",
                    help="drafter (auto, path, ngram[:N], ngram+<feature draft>, early-exit:L)")
-    p.add_argument("--k", type=_list(int), default=[2, 4], help="K values, e.g. 1,2,4,8")
+    p.add_argument("--k", type=_list(_k), default=None,
+                   help="K values, e.g. 1,2,4,8 (default 2,4); with --throughput also 'auto' "
+                        "(default 4,auto)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
@@ -36,6 +42,12 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
+    p.add_argument("--throughput", action="store_true",
+                   help="tokens/s of a batch job per batch size, K and batching (EOS on)")
+    p.add_argument("--batch-size", type=_list(int), default=[1, 8, 32],
+                   help="with --throughput: batch sizes (slots), e.g. 1,8,32")
+    p.add_argument("--batching", type=_list(str), default=["static", "continuous"],
+                   help="with --throughput: static and/or continuous (default both)")
     p.set_defaults(func=run)
 
 
@@ -61,6 +73,11 @@ def run(args) -> int:
     from specsamp.config import SamplingParams
     from specsamp.generator import GeneratorSpec, load_generator
 
+    if args.throughput:
+        return run_throughput_command(args)
+    args.k = args.k or [2, 4]
+    if "auto" in args.k:
+        raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.draft == "none":
@@ -86,4 +103,37 @@ def run(args) -> int:
             print_json(r)
     else:
         print(format_table(rows))
+    return 0
+
+
+def run_throughput_command(args) -> int:
+    from specsamp.config import SamplingParams, check_k
+    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.throughput import format_throughput, run_throughput
+
+    ks = args.k or [4, "auto"]
+    for k in ks:
+        if k != "auto":
+            check_k(k)
+    if any(b < 1 for b in args.batch_size):
+        raise UserError(f"--batch-size takes integers >= 1, got {args.batch_size}")
+    if set(args.batching) - {"static", "continuous"} or not args.batching:
+        raise UserError(f"--batching takes static and/or continuous, got {args.batching}")
+    if args.draft == "none":
+        raise UserError("bench compares a drafter with the baseline: give --draft other than none")
+    prompts, chat = _prompts(args)
+    sp = SamplingParams(args.temperature[0], args.top_k, args.top_p[0])
+    status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
+
+    def load(draft, k):
+        return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
+                                            chat=chat, max_new_tokens=args.max_new_tokens))
+
+    status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}")
+    rows = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching, log=status)
+    if args.json:
+        for r in rows:
+            print_json(r)
+    else:
+        print(format_throughput(rows))
     return 0
