@@ -51,3 +51,24 @@ def test_figures_add_up(rows):
     # Greedy: every setting generates the same tokens, so the same count.
     assert len({r["generated_tokens"] for r in rows}) == 1
     assert "speed-up" in format_throughput(rows)
+
+
+def test_generator_k_auto_and_continuous_give_greedy_baseline_text(tmp_path):
+    """Generator with k 'auto' (continuous batching, K chosen per chunk) and with a fixed K
+    in continuous batching returns the baseline's greedy completions, in prompt order."""
+    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+
+    def gen(draft, k, batching="static"):
+        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=10,
+                                            batch_size=2, batching=batching))
+
+    seeds = list(range(len(PROMPTS)))
+    base = [c.token_ids for c in gen("none", 1).generate(PROMPTS, seeds)]
+    auto = gen("ngram", "auto")
+    assert [c.token_ids for c in auto.generate(PROMPTS, seeds)] == base
+    assert sum(auto._continuous.k_rounds.values()) > 0
+    cont = gen("ngram", 2, "continuous").generate(PROMPTS, seeds)
+    assert [c.token_ids for c in cont] == base and all(c.k == 2 for c in cont)
