@@ -15,6 +15,9 @@ CASES = [
     (["generate", "--prompt", "hi", "--target", "/no/such/model"], "/no/such/model"),
     (["generate", "--prompt", "hi", "--draft", "early-exit:x"], "early exit needs a layer count"),
     (["bench", "--k", "2,x"], "comma-separated list"),
+    (["bench", "--k", "auto"], "--k auto needs --throughput"),
+    (["bench", "--throughput", "--batching", "dynamic"], "--batching takes static and/or continuous"),
+    (["bench", "--throughput", "--batch-size", "0,8"], "--batch-size takes integers >= 1"),
     (["generate", "--prompt", "hi", "--draft", "ngram+"], "a hybrid drafter is 'ngram[:N]+"),
     (["generate", "--prompt", "hi", "--draft", "ngram+/no/such/draft"], "feature-conditioned"),
 ]

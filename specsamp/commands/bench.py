@@ -73,6 +73,8 @@ def run(args) -> int:
     from specsamp.config import SamplingParams
     from specsamp.generator import GeneratorSpec, load_generator
 
+    if args.draft == "none":
+        raise UserError("bench compares a drafter with the baseline: give --draft other than none")
     if args.throughput:
         return run_throughput_command(args)
     args.k = args.k or [2, 4]
@@ -80,8 +82,6 @@ def run(args) -> int:
         raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.draft == "none":
-        raise UserError("bench compares a drafter with the baseline: give --draft other than none")
     prompts, chat = _prompts(args)
     samplings = [SamplingParams(t, args.top_k, p) for t in args.temperature for p in args.top_p
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
@@ -98,11 +98,15 @@ def run(args) -> int:
 
     status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats")
     rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed, log=status)
-    if args.json:
+    return _print(rows, args.json, format_table)
+
+
+def _print(rows: list[dict], as_json: bool, table) -> int:
+    if as_json:
         for r in rows:
             print_json(r)
     else:
-        print(format_table(rows))
+        print(table(rows))
     return 0
 
 
@@ -119,8 +123,6 @@ def run_throughput_command(args) -> int:
         raise UserError(f"--batch-size takes integers >= 1, got {args.batch_size}")
     if set(args.batching) - {"static", "continuous"} or not args.batching:
         raise UserError(f"--batching takes static and/or continuous, got {args.batching}")
-    if args.draft == "none":
-        raise UserError("bench compares a drafter with the baseline: give --draft other than none")
     prompts, chat = _prompts(args)
     sp = SamplingParams(args.temperature[0], args.top_k, args.top_p[0])
     status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
@@ -131,9 +133,4 @@ def run_throughput_command(args) -> int:
 
     status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}")
     rows = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching, log=status)
-    if args.json:
-        for r in rows:
-            print_json(r)
-    else:
-        print(format_throughput(rows))
-    return 0
+    return _print(rows, args.json, format_throughput)
