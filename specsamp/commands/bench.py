@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specsamp.commands.common import print_json, status
+from specsamp.commands.common import k_value, print_json, status
 from specsamp.errors import UserError
 
 
@@ -17,16 +17,12 @@ def _list(kind):
     return parse
 
 
-def _k(text: str):
-    return "auto" if text.strip() == "auto" else int(text)
-
-
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure speed-up over the autoregressive baseline")
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
     p.add_argument("--draft", default="auto",
                    help="drafter (auto, path, ngram[:N], ngram+<feature draft>, early-exit:L)")
-    p.add_argument("--k", type=_list(_k), default=None,
+    p.add_argument("--k", type=_list(k_value), default=None,
                    help="K values, e.g. 1,2,4,8 (default 2,4); with --throughput also 'auto' "
                         "(default 4,auto)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")

@@ -18,7 +18,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "trained draft; other targets: n-gram), a draft model path, 'ngram[:N]', "
                         "'ngram+<feature draft>', 'early-exit:L', or 'none' for plain "
                         "autoregressive sampling (default: auto)")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per loop (default 4)")
+    g.add_argument("--k", type=k_value, default=4,
+                   help="draft tokens per loop (default 4), or 'auto': chosen per chunk of rounds "
+                        "from measured costs and running acceptance")
+
+
+def k_value(text: str):
+    """A K on the command line: an integer, or 'auto' (the batch-aware policy)."""
+    return "auto" if text.strip() == "auto" else int(text)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
