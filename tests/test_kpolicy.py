@@ -43,3 +43,24 @@ def test_fresh_rows_borrow_the_pooled_rate():
     policy = _policy(lambda t: 1.0)
     alpha = policy.alphas(np.array([0.0, 80.0]), np.array([0.0, 100.0]))
     assert alpha[0] == pytest.approx(81 / 102)
+
+
+def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
+    """The first call times every (batch, tokens) pair the policy needs and writes them
+    under $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
+    from specsamp import costs
+    from specsamp.config import SamplingParams
+    from tests.test_exactness import make_engine
+
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))
+    engine = make_engine(SamplingParams(0.0), "model", 4)
+    first = costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128, repeats=1)
+    assert sorted(first.score) == [1, 3] and first.draft > 0
+    assert all(s > 0 for s in first.score.values())
+    assert len(list((tmp_path / "costs").iterdir())) == 1
+
+    def no_timing(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(costs, "_timer", no_timing)
+    assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
