@@ -122,7 +122,7 @@ def decode_chunk(variant: Variant, target_params, draft_params, state: DecodeSta
 
 # policy(accepted, tested) -> index into the engine's ks: accepted and tested draft tokens of
 # each running row so far.
-KPolicy = Callable[[np.ndarray, np.ndarray], int]
+PolicyFn = Callable[[np.ndarray, np.ndarray], int]
 
 
 @dataclasses.dataclass
@@ -131,13 +131,13 @@ class ContinuousEngine:
 
     ks: the K values it may switch between per chunk (0: plain rounds), default the
     program's own K; `policy(accepted, tested)` picks an index into ks from the running
-    rows' accepted and tested draft tokens (see `specsamp.costs.KChooser`).
+    rows' accepted and tested draft tokens (`specsamp.kpolicy.KPolicy`).
     """
 
     engine: Engine
     batch: int
     ks: tuple[int, ...] = ()
-    policy: KPolicy | None = None
+    policy: PolicyFn | None = None
     chunk_rounds: int = 1 << 30  # rounds per device call at most (stop strings, the K policy)
     refill_fraction: float = 0.125  # return to the host once this share of slots is free
 
@@ -172,15 +172,16 @@ class ContinuousEngine:
         run = _Run(self, prompts, seeds, state)
         while run.pending or run.active():
             run.refill()
+            t0 = time.perf_counter()  # a drafter's resync (in _choose) is decode time too
             variant, k = self._choose(run)
-            t0 = time.perf_counter()
             run.state, rounds = decode_chunk(
                 variant, eng.target_params, eng.draft_params, run.state, eos, stops,
                 jnp.int32(self.chunk_rounds), jnp.int32(run.refill_at()))
             rounds = int(rounds)  # waits for the chunk
+            seconds = time.perf_counter() - t0
             self.k_rounds[k] += rounds
-            self.decode_s += time.perf_counter() - t0
-            run.charge_decode(time.perf_counter() - t0, rounds, k)
+            self.decode_s += seconds
+            run.charge_decode(seconds, rounds, k)
             if should_stop is not None:
                 run.apply_stop_strings(should_stop)
             run.collect()
