@@ -33,7 +33,9 @@ def register(sub) -> None:
                         "of distillation) or a Parquet/JSONL file with a prompt column")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--chat", action="store_true", help="chat template for --prompt / file prompts")
-    p.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="number of prompts (default 8; with --throughput 4 x the largest batch "
+                        "size, so that continuous batching has prompts to refill with)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,6 +76,7 @@ def run(args) -> int:
     if args.throughput:
         return run_throughput_command(args)
     args.k = args.k or [2, 4]
+    args.limit = 8 if args.limit is None else args.limit
     if "auto" in args.k:
         raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
     if args.repeats < 1:
@@ -112,6 +115,7 @@ def run_throughput_command(args) -> int:
     from specsamp.throughput import format_throughput, run_throughput
 
     ks = args.k or [4, "auto"]
+    args.limit = 4 * max(args.batch_size) if args.limit is None else args.limit
     for k in ks:
         if k != "auto":
             check_k(k)
