@@ -28,6 +28,7 @@ NAMESPACE = "specsamp"
 DEFAULT_LOADER = "specsamp:load_generator"
 _LOADED: dict = {}  # (loader, spec) -> generator: reused by later pipelines in a process
 _LOAD_LOCK = threading.Lock()
+_REFILLS = 4
 
 
 def _not_resource_warning(record: logging.LogRecord) -> bool:
@@ -42,11 +43,15 @@ logging.getLogger().addFilter(_not_resource_warning)
 def generator_spec(cfg: RunConfig, setting: Setting):
     """The engine's GeneratorSpec for one setting of the run."""
     from specsamp import GeneratorSpec
+    from specsamp.runconfig import K_AUTO
 
-    return GeneratorSpec(target=cfg.target, draft=setting.draft, k=max(setting.k, 1),
+    # Continuous batching: a generate call keeps its batch_size slots busy over all the
+    # prompts it is given (rows that finish make room for the next prompts).
+    return GeneratorSpec(target=cfg.target, draft=setting.draft,
+                         k="auto" if setting.k == K_AUTO else max(setting.k, 1),
                          sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
-                         batch_size=cfg.batch_size, weights=cfg.weights)
+                         batch_size=cfg.batch_size, weights=cfg.weights, batching="continuous")
 
 
 class Generators:
@@ -87,11 +92,12 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
     def __init__(self, cfg: RunConfig, info: RunInfo, total: int = 0, loader: str = DEFAULT_LOADER):
         w = cfg.workers
         # Each prompt arrives once per setting, one after the other, and a generate call
-        # takes one setting: so Beam batches batch_size x settings elements, which split
-        # into ~batch_size prompts per setting. Fixed, not adaptive: the engine compiles one
-        # program per batch shape.
+        # takes one setting: so Beam batches of batch_size x settings elements split into
+        # ~batch_size prompts per setting. Up to _REFILLS times that many, so that the
+        # continuous engine's slots stay busy while rows finish (its compiled shapes do not
+        # depend on how many prompts a call gets).
         n = cfg.batch_size * len(cfg.settings)
-        super().__init__(min_batch_size=n, max_batch_size=n,
+        super().__init__(min_batch_size=n, max_batch_size=n * _REFILLS,
                          large_model=w.share_model_across_processes,
                          model_copies=w.model_copies if w.share_model_across_processes else None)
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
@@ -179,7 +185,8 @@ def count_row(tag: str, row: dict) -> None:
     Metrics.counter(NAMESPACE, "target_calls").inc(row["target_calls"])
     if row["mode"] == "speculative":
         Metrics.counter(NAMESPACE, "accepted_tokens").inc(sum(row["accepted_per_loop"]))
-        Metrics.counter(NAMESPACE, "drafted_tokens").inc(row["k"] * len(row["accepted_per_loop"]))
+        if row["k"] > 0:  # k auto (-1) drafts a K chosen per round
+            Metrics.counter(NAMESPACE, "drafted_tokens").inc(row["k"] * len(row["accepted_per_loop"]))
 
 
 def _resolve(loader: str):

@@ -5,12 +5,21 @@ Both are timed the same way, as they run inside the decoding loop: a compiled lo
 the logits, divided by `_INNER`; median of several calls after a warm-up. (Timing single
 jitted calls instead adds the host dispatch and a copy of the whole cache to every call,
 ~10 ms here, which inflates step costs and flattens their ratios.) N-gram costs ~0.
+
+`cost_curve` measures the same at a batch size: the seconds of a plain step, of scoring K+1
+tokens and of a draft call, for the batch-aware K policy (`specsamp.kpolicy`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +48,12 @@ def _plain(cfg: ModelConfig):
     return ModelDrafter(cfg, 1, SamplingParams())
 
 
-def _timer(model, params, tokens_per_call: int, slots: int):
+def _timer(model, params, tokens_per_call: int, slots: int, batch: int = 1):
     """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`."""
-    cache = init_cache(model.cfg, 1, slots)
-    tokens = jnp.zeros((1, tokens_per_call), jnp.int32)
-    positions = 100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None]
+    cache = init_cache(model.cfg, batch, slots)
+    tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
+    positions = jnp.broadcast_to(100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None],
+                                 (batch, tokens_per_call))
     jax.block_until_ready(_steps(model, params, tokens, positions, cache))  # compile
 
     def once() -> float:
@@ -74,3 +84,49 @@ def measure_cost_ratio(engine) -> float:
         _timer(drafter, engine.draft_params, 1, 512),
         _timer(_plain(engine.prog.target), engine.target_params, 1, 512),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """Measured seconds per call at one batch size (rows) and cache size (slots):
+    score[T]: a target call of T tokens per row (T = 1: a plain step; K + 1: scoring K
+    draft tokens); draft: one draft call of one token per row (0 without a draft model)."""
+
+    batch: int
+    score: dict[int, float]
+    draft: float
+
+
+def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
+    drafter = engine.prog.drafter
+    ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
+                  engine.prog.target, drafter.with_k(1) if drafter is not None else None,
+                  batch, slots, sorted(tokens)))
+    name = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp"))
+    return os.path.join(root, "costs", f"{name}.json")
+
+
+def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int = 3) -> CostCurve:
+    """The step costs at `batch` rows for K in ks (0: a plain step), measured once per
+    machine, model, drafter and shape and cached on disk under $SPECSAMP_CACHE/costs."""
+    tokens = sorted({1} | {k + 1 for k in ks})
+    path = _curve_path(engine, batch, slots, tokens)
+    if os.path.exists(path):
+        with open(path) as fh:
+            raw = json.load(fh)
+        return CostCurve(batch, {int(t): s for t, s in raw["score"].items()}, raw["draft"])
+
+    def median(timer):
+        return statistics.median(timer() for _ in range(repeats))
+
+    plain = _plain(engine.prog.target)
+    score = {t: median(_timer(plain, engine.target_params, t, slots, batch)) for t in tokens}
+    drafter = engine.prog.drafter
+    draft = (median(_timer(drafter, engine.draft_params, 1, slots, batch))
+             if drafter is not None and drafter.uses_cache else 0.0)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"score": score, "draft": draft}, fh)
+    os.replace(path + ".tmp", path)  # atomic: parallel workers never read half a file
+    return CostCurve(batch, score, draft)

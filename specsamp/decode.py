@@ -81,7 +81,11 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, widt
 def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
     t = state.current
     current = gather_window(state.tokens, t, 1)
-    logits, cache = Model(prog.target).forward(target_params, current, t[:, None], state.target_cache)
+    target = Model(prog.target)
+    hidden, cache = target.forward(target_params, current, t[:, None], state.target_cache, head=False)
+    logits = target.logits(target_params, hidden)
+    if state.features is not None:  # keep a feature draft's inputs complete across plain rounds
+        state = state.replace(features=write_window(state.features, hidden, t))
     q = probs_from_logits(logits[:, 0], prog.sampling)
     x = jax.vmap(sample)(round_keys(state), q)
     ones = jnp.ones_like(t)

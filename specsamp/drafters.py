@@ -11,13 +11,17 @@
   feature draft) for the other rows; the model's chain is skipped in rounds where every
   running row has a match.
 
-`propose(params, state, keys) -> Proposal`.
+Every drafter follows the `Drafter` protocol below: `propose(params, state, keys) ->
+Proposal` for a speculative round, `prefill(params, tokens, state)` to (re)build its cache
+from tokens (after the prompt, and after plain K = 0 rounds that did not feed it), and
+`with_k(k)` for the same drafter at another K (the batch-aware policy switches K between
+chunks of rounds; the decode state's layout does not depend on K).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,28 @@ class Proposal(NamedTuple):
     draft_cache: Any  # the drafter's cache after the round (None: no cache)
     found: jax.Array | None = None  # [B] bool: rows with a real proposal (None: all)
     calls: jax.Array | None = None  # [B] int32 draft calls per row (None: calls_per_round)
+
+
+class Drafter(Protocol):
+    """What the decoding loop needs from a drafter (all are hashable frozen dataclasses,
+    static arguments of the compiled programs)."""
+
+    k: int
+    needs_features: bool  # reads the target's hidden states (DecodeState.features)
+
+    @property
+    def uses_cache(self) -> bool: ...  # owns DecodeState.draft_cache
+
+    @property
+    def calls_per_round(self) -> int: ...
+
+    def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal: ...
+
+    def prefill(self, params, tokens: jax.Array, state: DecodeState) -> Any:
+        """The draft cache after feeding tokens [B, W] at positions 0..W-1 (drafters with a
+        cache only)."""
+
+    def with_k(self, k: int) -> "Drafter": ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +84,9 @@ class ModelDrafter:
     def forward(self, params, tokens, positions, cache):
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
         return Model(self.cfg).forward(params, tokens, positions, cache)
+
+    def with_k(self, k: int) -> "ModelDrafter":
+        return dataclasses.replace(self, k=k)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         t = state.current
@@ -138,6 +167,9 @@ class FeatureDrafter:
             params, tokens, feats, prefix_positions(tokens), state.draft_cache)
         return cache
 
+    def with_k(self, k: int) -> "FeatureDrafter":
+        return dataclasses.replace(self, k=k)
+
     def forward(self, params, tokens, positions, cache, features=None):
         """One draft call: (logits [B, T, V], cache); features default to zeros (what the
         cost ratio times: the same work whatever the features are)."""
@@ -190,6 +222,9 @@ class NgramDrafter:
     @property
     def calls_per_round(self) -> int:
         return 0
+
+    def with_k(self, k: int) -> "NgramDrafter":
+        return dataclasses.replace(self, k=k)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
@@ -257,6 +292,9 @@ class HybridDrafter:
 
     def forward(self, params, tokens, positions, cache):
         return self.model.forward(params, tokens, positions, cache)
+
+    def with_k(self, k: int) -> "HybridDrafter":
+        return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k))
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         lookup = self.ngram.propose(None, state, keys)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import jax
 
 from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
+from specsamp.kpolicy import AUTO_KS, K_AUTO
 from specsamp.decode import Program
 from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from specsamp.drafts import default_draft
@@ -46,9 +47,15 @@ class GeneratorSpec:
     stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
     weights: str = "stored"
+    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.continuous`),
+    # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
+    batching: str = "static"
 
     def __post_init__(self):
-        check_k(self.k)
+        if self.k != K_AUTO:
+            check_k(self.k)
+        if self.batching not in ("static", "continuous"):
+            raise UserError(f"batching must be 'static' or 'continuous', got {self.batching!r}")
         check_max_new_tokens(self.max_new_tokens)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise UserError(f"batch size must be an integer >= 1, got {self.batch_size!r}")
@@ -62,6 +69,10 @@ class GeneratorSpec:
     @property
     def mode(self) -> str:
         return "autoregressive" if self.draft == "none" else "speculative"
+
+    @property
+    def continuous(self) -> bool:
+        return self.batching == "continuous" or (self.k == K_AUTO and self.draft != "none")
 
 
 _MODELS: dict = {}
@@ -92,7 +103,8 @@ class Generator:
         self.tokenizer = self.target.tokenizer
         self.draft = default_draft(spec.target) if spec.draft == "auto" else spec.draft
         kind, arg = parse_draft(self.draft)
-        cfg, sp, k = self.target.cfg, spec.sampling, spec.k
+        cfg, sp = self.target.cfg, spec.sampling
+        k = max(AUTO_KS) if spec.k == K_AUTO else spec.k  # auto: programs for K in AUTO_KS
         draft_params, drafter = None, None
         if kind == "ngram":
             drafter = NgramDrafter(k, cfg.vocab_size, arg)
@@ -123,6 +135,7 @@ class Generator:
             rounds_per_call=16 if spec.stop else 1 << 30,
         )
         self._cost_ratio: float | None = None
+        self._continuous = None  # ContinuousEngine, built on first use
 
     # Identity of what runs, for tables and reports.
     @property
@@ -163,6 +176,8 @@ class Generator:
         """Completions for `prompts`, in batches of spec.batch_size, one seed per prompt."""
         if len(prompts) != len(seeds):
             raise UserError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if self.spec.continuous:
+            return self._generate_continuous(prompts, seeds, progress)
         out: list[Completion] = []
         bs = self.spec.batch_size
         for i in range(0, len(prompts), bs):
@@ -175,6 +190,24 @@ class Generator:
         ids = [self.encode_prompt(p) for p in prompts]
         stop_check = self._stop_check if self.spec.stop else None
         raws = self.engine.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check)
+        return [self._to_completion(r) for r in raws]
+
+    def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
+        from specsamp.continuous import ContinuousEngine
+        from specsamp.kpolicy import auto_policy
+
+        ids = [self.encode_prompt(p) for p in prompts]
+        if self._continuous is None:
+            auto = self.spec.k == K_AUTO and self.drafter is not None
+            self._continuous = ContinuousEngine(
+                self.engine, self.spec.batch_size, ks=AUTO_KS if auto else (),
+                chunk_rounds=16 if (self.spec.stop or auto) else 1 << 30)
+        cont = self._continuous
+        if cont.policy is None and len(cont.ks) > 1:
+            cont.policy = auto_policy(self.engine, cont.batch, cont.slots_for(ids))
+        stop_check = self._stop_check if self.spec.stop else None
+        raws = cont.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check,
+                        progress=progress)
         return [self._to_completion(r) for r in raws]
 
     def _stop_check(self, row: int, generated: list[int]) -> bool:
@@ -192,7 +225,7 @@ class Generator:
             # The loop may have run past the stop string: keep the tokens up to the one
             # that completes it, and the statistics of exactly those.
             text, reason, raw = text[:cut], "stop", raw.cut(self._stop_token_count(body))
-        k = self.spec.k if self.drafter is not None else 0
+        k = self.drafter.k if self.drafter is not None else 0  # auto: the largest K it may use
         return Completion(
             text=text, token_ids=raw.token_ids, prompt_tokens=raw.prompt_tokens,
             stop_reason=reason, mode=self.mode, target_calls=raw.calls,

@@ -23,12 +23,15 @@ from specsamp.errors import UserError
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
 
 
+K_AUTO = -1  # a setting's k for `k: auto` (an int, so that output tables keep an int column)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One generation setting: a drafter and its K (`draft: none` is the baseline)."""
 
     draft: str = "none"
-    k: int = 0
+    k: int = 0  # K_AUTO (-1): `k: auto`, the batch-aware policy (also in output tables' k column)
 
     @property
     def mode(self) -> str:
@@ -37,11 +40,12 @@ class Setting:
     @property
     def key(self) -> str:
         """Identifies the setting in output rows (with the prompt id: the resume key)."""
-        return f"{self.draft}|{self.k}"
+        return f"{self.draft}|{'auto' if self.k == K_AUTO else self.k}"
 
     @property
     def label(self) -> str:
-        return "baseline" if self.draft == "none" else f"{self.draft} K={self.k}"
+        k = "auto" if self.k == K_AUTO else self.k
+        return "baseline" if self.draft == "none" else f"{self.draft} K={k}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +182,7 @@ def _check_setting(draft, k, where: str) -> Setting:
         return Setting("none", 0)
     try:
         kind, arg = parse_draft(draft)
-        setting = Setting(draft, check_k(k))
+        setting = Setting(draft, K_AUTO if k == "auto" else check_k(k))
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     if kind in ("model", "hybrid"):

@@ -113,3 +113,13 @@ def test_yaml_errors(tmp_path):
     bad.write_text("- just a list\n")
     with pytest.raises(UserError, match="mapping"):
         runconfig.load(str(bad))
+
+
+def test_k_auto_is_a_setting_of_its_own(tmp_path):
+    """`k: auto` parses to the batch-aware policy's setting (an int in output tables),
+    labelled and keyed 'auto', next to fixed K values of the same drafter."""
+    from specsamp.runconfig import K_AUTO, _parse_settings
+
+    s = _parse_settings([{"draft": "ngram", "k": ["auto", 4]}], "cfg.yaml")
+    assert [x.k for x in s] == [K_AUTO, 4]
+    assert s[0].key == "ngram|auto" and s[0].label == "ngram K=auto" and s[1].key == "ngram|4"

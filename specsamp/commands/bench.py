@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specsamp.commands.common import add_weights_arg, print_json, status
+from specsamp.commands.common import add_weights_arg, k_value, print_json, status
 from specsamp.errors import UserError
 
 
@@ -22,7 +22,9 @@ def register(sub) -> None:
     p.add_argument("--target", default=None, help="target model (default: embedded SmolLM2)")
     p.add_argument("--draft", default="auto",
                    help="drafter (auto, path, ngram[:N], ngram+<feature draft>, early-exit:L)")
-    p.add_argument("--k", type=_list(int), default=[2, 4], help="K values, e.g. 1,2,4,8")
+    p.add_argument("--k", type=_list(k_value), default=None,
+                   help="K values, e.g. 1,2,4,8 (default 2,4); with --throughput also 'auto' "
+                        "(default 4,auto)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
@@ -31,12 +33,20 @@ def register(sub) -> None:
                         "of distillation) or a Parquet/JSONL file with a prompt column")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--chat", action="store_true", help="chat template for --prompt / file prompts")
-    p.add_argument("--limit", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="number of prompts (default 8; with --throughput 4 x the largest batch "
+                        "size, so that continuous batching has prompts to refill with)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
     add_weights_arg(p, many=True)
+    p.add_argument("--throughput", action="store_true",
+                   help="tokens/s of a batch job per batch size, K and batching (EOS on)")
+    p.add_argument("--batch-size", type=_list(int), default=[1, 8, 32],
+                   help="with --throughput: batch sizes (slots), e.g. 1,8,32")
+    p.add_argument("--batching", type=_list(str), default=["static", "continuous"],
+                   help="with --throughput: static and/or continuous (default both)")
     p.set_defaults(func=run)
 
 
@@ -64,10 +74,16 @@ def run(args) -> int:
     from specsamp.config import SamplingParams
     from specsamp.generator import GeneratorSpec, load_generator
 
-    if args.repeats < 1:
-        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.draft == "none":
         raise UserError("bench compares a drafter with the baseline: give --draft other than none")
+    if args.throughput:
+        return run_throughput_command(args)
+    args.k = args.k or [2, 4]
+    args.limit = 8 if args.limit is None else args.limit
+    if "auto" in args.k:
+        raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     prompts, chat = _prompts(args)
     samplings = [SamplingParams(t, args.top_k, p) for t in args.temperature for p in args.top_p
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
@@ -96,12 +112,7 @@ def run(args) -> int:
         add_traffic(rows, weights, _step_bytes(gen), stream)
         groups.append(rows)
     for rows in groups:
-        if args.json:
-            for r in rows:
-                print_json(r)
-        else:
-            print(traffic_line(rows))
-            print(format_table(rows))
+        _print(rows, args.json, lambda rs: traffic_line(rs) + "\n" + format_table(rs))
     return 0
 
 
@@ -109,3 +120,44 @@ def _step_bytes(gen) -> int:
     from specsamp.models import Model
 
     return Model(gen.engine.prog.target).step_bytes(gen.engine.target_params)
+
+
+def _print(rows: list[dict], as_json: bool, table) -> int:
+    if as_json:
+        for r in rows:
+            print_json(r)
+    else:
+        print(table(rows))
+    return 0
+
+
+def run_throughput_command(args) -> int:
+    from specsamp.config import SamplingParams, check_k
+    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.throughput import format_throughput, run_throughput
+
+    ks = args.k or [4, "auto"]
+    args.limit = 4 * max(args.batch_size) if args.limit is None else args.limit
+    for k in ks:
+        if k != "auto":
+            check_k(k)
+    if any(b < 1 for b in args.batch_size):
+        raise UserError(f"--batch-size takes integers >= 1, got {args.batch_size}")
+    if set(args.batching) - {"static", "continuous"} or not args.batching:
+        raise UserError(f"--batching takes static and/or continuous, got {args.batching}")
+    prompts, chat = _prompts(args)
+    sp = SamplingParams(args.temperature[0], args.top_k, args.top_p[0])
+    status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
+
+    status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}")
+    rows = []
+    for weights in args.weights:
+        def load(draft, k, weights=weights):
+            return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
+                                                chat=chat, max_new_tokens=args.max_new_tokens,
+                                                weights=weights))
+
+        group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
+                               log=status)
+        rows += [{**r, "weights": weights} for r in group]
+    return _print(rows, args.json, format_throughput)

@@ -18,7 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "trained draft; other targets: n-gram), a draft model path, 'ngram[:N]', "
                         "'ngram+<feature draft>', 'early-exit:L', or 'none' for plain "
                         "autoregressive sampling (default: auto)")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per loop (default 4)")
+    g.add_argument("--k", type=k_value, default=4,
+                   help="draft tokens per loop (default 4), or 'auto': chosen per chunk of rounds "
+                        "from measured costs and running acceptance")
     add_weights_arg(g)
 
 
@@ -50,6 +52,11 @@ def weights_list_one(text: str) -> str:
     if len(items) != 1:
         raise argparse.ArgumentTypeError(f"one weight format here, got {text!r}")
     return items[0]
+
+
+def k_value(text: str):
+    """A K on the command line: an integer, or 'auto' (the batch-aware policy)."""
+    return "auto" if text.strip() == "auto" else int(text)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,308 @@
+"""Continuous batching: B slots that stay busy while prompts remain.
+
+The design is JetStream's prefill / insert / generate split. The host keeps a queue of
+prompts and a decode state of B rows (slots). `insert` prefills a few prompts at once into
+fresh rows and scatters them into free slots (every field of a row, the drafter's cache and
+features included, so nothing of a slot's previous occupant survives); `decode_chunk` runs
+the compiled loop of rounds until enough slots have freed up to be worth refilling (or a
+round limit, for stop strings and the batch-aware K policy), then returns to the host.
+
+Exactness is that of the static engine: each row's round keys are its own key folded with
+its own length (`state.round_keys`), and no round reads another row, so a sample depends
+only on its prompt, seed and settings, never on its slot, its neighbours or when it was
+inserted. Per-row timing is the row's own: its share of the insert call that prefilled it,
+and for each chunk the chunk's time times the fraction of the chunk's rounds the row ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specsamp.decode import Program, _ar_round, _spec_round, new_state, prefill
+from specsamp.engine import Engine, RawSample, prompt_bucket
+from specsamp.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled program of the family a continuous engine switches between: `prog`'s
+    drafter at K = prog.k, or (plain) autoregressive rounds that keep the drafter's cache
+    and features level, so that drafting can resume in a later chunk."""
+
+    prog: Program
+    plain: bool = False
+
+
+def _draft_cfg(prog: Program):
+    d = prog.drafter
+    return d.cfg if d is not None and d.uses_cache else None
+
+
+def _feature_dim(prog: Program) -> int:
+    return prog.target.d_model if getattr(prog.drafter, "needs_features", False) else 0
+
+
+def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeState:
+    """B free slots: every row done, nothing to compute for them."""
+    ones = jnp.ones((batch,), jnp.int32)
+    state = new_state(prog, jnp.zeros((batch, 1), jnp.int32), ones, max_new,
+                      jnp.zeros((batch,), jnp.uint32), slots, _draft_cfg(prog), _feature_dim(prog))
+    state = state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
+    return jax.tree.map(jnp.copy, state)  # own buffers (length and prompt_len alias): donated
+
+
+def _scatter(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
+    """state's rows `slots` = fresh's rows; slots past the batch are dropped (padding)."""
+    def put(axis):
+        def f(full, part):
+            index = (slice(None),) * axis + (slots,)
+            return full.at[index].set(part, mode="drop")
+        return f
+
+    caches = ("target_cache", "draft_cache")
+    rows = jax.tree.map(put(0), state.replace(**{c: None for c in caches}),
+                        fresh.replace(**{c: None for c in caches}))
+    # KV caches are [L, B, S, J, E]: their batch axis is 1.
+    return rows.replace(**{c: jax.tree.map(put(1), getattr(state, c), getattr(fresh, c))
+                           for c in caches})
+
+
+@jax.jit(static_argnames=("prog", "max_new", "width"), donate_argnames=("state",))
+def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
+           slots, max_new: int, width: int) -> DecodeState:
+    """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state."""
+    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1],
+                      _draft_cfg(prog), _feature_dim(prog))
+    fresh = prefill(prog, target_params, draft_params, fresh, width)
+    return _scatter(state, fresh, slots)
+
+
+def _round(variant: Variant, target_params, draft_params, state, eos_ids, stop_ids):
+    prog = variant.prog
+    if prog.drafter is None or variant.plain:
+        # Plain rounds with a drafter leave its cache behind (`resync` catches up) but keep
+        # the target's features, which only the target can compute.
+        return _ar_round(prog, target_params, state, eos_ids, stop_ids)
+    return _spec_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
+
+
+@jax.jit(static_argnames=("prog", "width"), donate_argnames=("state",))
+def resync(prog: Program, draft_params, state: DecodeState, width: int) -> DecodeState:
+    """Rebuild the drafter's cache from each row's tokens 0..width-1 (width: at least every
+    running row's length), after plain rounds that did not feed it. Positions past a row's
+    length get stale entries that later writes overwrite, as in prefill."""
+    return state.replace(draft_cache=prog.drafter.prefill(draft_params, state.tokens[:, :width], state))
+
+
+@jax.jit(static_argnames=("variant",), donate_argnames=("state",))
+def decode_chunk(variant: Variant, target_params, draft_params, state: DecodeState, eos_ids,
+                 stop_ids, max_rounds, refill_at):
+    """Rounds until no row runs, `max_rounds` have run, or at least `refill_at` rows are
+    done (free slots the host can refill). Returns (state, rounds run)."""
+
+    def cond(carry):
+        state, i = carry
+        running = state.stop_reason == RUNNING
+        free = jnp.sum(~running)
+        return jnp.any(running) & (i < max_rounds) & (free < refill_at)
+
+    def body(carry):
+        state, i = carry
+        return _round(variant, target_params, draft_params, state, eos_ids, stop_ids), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+
+
+# policy(accepted, tested) -> index into the engine's ks: accepted and tested draft tokens of
+# each running row so far.
+PolicyFn = Callable[[np.ndarray, np.ndarray], int]
+
+
+@dataclasses.dataclass
+class ContinuousEngine:
+    """Runs prompts through `batch` slots of one `Engine`'s program.
+
+    ks: the K values it may switch between per chunk (0: plain rounds), default the
+    program's own K; `policy(accepted, tested)` picks an index into ks from the running
+    rows' accepted and tested draft tokens (`specsamp.kpolicy.KPolicy`).
+    """
+
+    engine: Engine
+    batch: int
+    ks: tuple[int, ...] = ()
+    policy: PolicyFn | None = None
+    chunk_rounds: int = 1 << 30  # rounds per device call at most (stop strings, the K policy)
+    refill_fraction: float = 0.125  # return to the host once this share of slots is free
+
+    def __post_init__(self):
+        self.ks = tuple(self.ks) or (self.engine.prog.k,)
+        prog = self.engine.prog
+        self._variants = [Variant(prog) if prog.drafter is None
+                          else Variant(prog, plain=True) if k == 0
+                          else Variant(dataclasses.replace(prog, drafter=prog.drafter.with_k(k)))
+                          for k in self.ks]
+        self.k_rounds = collections.Counter()  # rounds run per K (statistics)
+        self.prefill_s = self.decode_s = 0.0  # wall seconds of inserts / chunks, all runs
+
+    def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
+        """Cache slots per row for a run of `prompts` (one size for every slot)."""
+        bucket = prompt_bucket(max((len(p) for p in prompts), default=1))
+        need = bucket + self.engine.max_new_tokens + max(self.ks) + 2
+        return -(-need // 128) * 128
+
+    def run(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], stop_ids=(),
+            should_stop: Callable[[int, list[int]], bool] | None = None,
+            progress: Callable[[int], None] | None = None) -> list[RawSample]:
+        """Like `Engine.run`, for any number of prompts; `should_stop(i, ids)` gets the
+        prompt's index i."""
+        eng = self.engine
+        for ids in prompts:
+            eng.check_prompt(ids)
+        n = len(prompts)
+        state = empty_state(eng.prog, self.batch, self.slots_for(prompts), eng.max_new_tokens)
+        eos = jnp.asarray(np.array(eng.eos_ids or (-1,), np.int32))
+        stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
+        run = _Run(self, prompts, seeds, state)
+        while run.pending or run.active():
+            run.refill()
+            t0 = time.perf_counter()  # a drafter's resync (in _choose) is decode time too
+            variant, k = self._choose(run)
+            run.state, rounds = decode_chunk(
+                variant, eng.target_params, eng.draft_params, run.state, eos, stops,
+                jnp.int32(self.chunk_rounds), jnp.int32(run.refill_at()))
+            rounds = int(rounds)  # waits for the chunk
+            seconds = time.perf_counter() - t0
+            self.k_rounds[k] += rounds
+            self.decode_s += seconds
+            run.charge_decode(seconds, rounds, k)
+            if should_stop is not None:
+                run.apply_stop_strings(should_stop)
+            run.collect()
+            if progress is not None:
+                progress(n - len(run.pending) - len(run.active()))
+        return run.results
+
+    def _choose(self, run: "_Run") -> tuple[Variant, int]:
+        if self.policy is None or len(self.ks) == 1:
+            return self._variants[0], self.ks[0]
+        i = self.policy(*run.acceptance())
+        variant = self._variants[i]
+        if run.plain and not variant.plain and variant.prog.drafter.uses_cache:
+            eng = self.engine
+            width = min(prompt_bucket(int(np.asarray(run.state.length).max())), run.state.tokens.shape[1])
+            run.state = resync(variant.prog, eng.draft_params, run.state, width)
+        run.plain = variant.plain
+        return variant, self.ks[i]
+
+
+class _Run:
+    """Host bookkeeping of one `ContinuousEngine.run`: the queue, who sits in which slot,
+    and each prompt's own prefill and decode time."""
+
+    def __init__(self, owner: ContinuousEngine, prompts, seeds, state):
+        self.owner, self.prompts, self.state = owner, prompts, state
+        self.seeds = [s % (1 << 32) for s in seeds]
+        self.pending = collections.deque(range(len(prompts)))
+        self.slot_row = [-1] * owner.batch  # prompt index in each slot, -1: free
+        self.prefill_s = [0.0] * len(prompts)
+        self.decode_s = [0.0] * len(prompts)
+        self.calls = np.zeros(owner.batch, np.int64)
+        self.loops = np.zeros(owner.batch, np.int64)
+        self.accepted = np.zeros(owner.batch)
+        self.tested = np.zeros(owner.batch)
+        self.reason = np.full(owner.batch, MAX_TOKENS)
+        self.plain = False  # the last chunk ran plain rounds (the drafter's cache is behind)
+        self.results: list = [None] * len(prompts)
+
+    def active(self) -> list[int]:
+        return [s for s, r in enumerate(self.slot_row) if r >= 0]
+
+    def refill_at(self) -> int:
+        free = self.owner.batch - len(self.active())
+        if not self.pending:
+            return self.owner.batch + 1  # nothing to insert: run until all are done
+        return free + max(1, min(len(self.pending), round(self.owner.batch * self.owner.refill_fraction)))
+
+    def refill(self) -> None:
+        free = [s for s, r in enumerate(self.slot_row) if r < 0]
+        take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
+        if not take:
+            return
+        eng, b = self.owner.engine, self.owner.batch
+        n = min(1 << (len(take) - 1).bit_length(), b)  # few shapes: powers of two
+        bucket = prompt_bucket(max(len(self.prompts[i]) for i in take))
+        padded = np.zeros((n, bucket), np.int32)
+        lens, seeds = np.ones(n, np.int32), np.zeros(n, np.uint32)
+        where = np.full(n, b, np.int32)  # padding rows go to slot b: dropped
+        for j, i in enumerate(take):
+            ids = self.prompts[i]
+            padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], free[j]
+            self.slot_row[free[j]] = i
+            self.calls[free[j]] = self.loops[free[j]] = self.accepted[free[j]] = self.tested[free[j]] = 0
+            self.reason[free[j]] = RUNNING
+        t0 = time.perf_counter()
+        # The current (last) prompt token is fed by the first round, not by prefill.
+        self.state = insert(eng.prog, eng.target_params, eng.draft_params, self.state,
+                            jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(seeds),
+                            jnp.asarray(where), eng.max_new_tokens, bucket - 1)
+        jax.block_until_ready(self.state.length)
+        self.owner.prefill_s += time.perf_counter() - t0
+        share = (time.perf_counter() - t0) / len(take)
+        for i in take:
+            self.prefill_s[i] = share
+
+    def charge_decode(self, seconds: float, rounds: int, k: int) -> None:
+        """Give each row its share of a chunk that ran `rounds` rounds at K = k, and count
+        its tested draft tokens (a round that kept fewer than k stopped at a rejection)."""
+        st = self.state
+        calls, loops, acc = np.asarray(st.calls), np.asarray(st.loops), np.asarray(st.accepted)
+        self.reason = np.array(st.stop_reason)
+        for s in self.active():
+            # A round takes the same time for every row of the batch.
+            self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
+            new = acc[s, self.loops[s] : loops[s]]
+            self.accepted[s] += new.sum()
+            self.tested[s] += new.sum() + (new < k).sum()
+        self.calls, self.loops = calls.astype(np.int64), loops.astype(np.int64)
+
+    def acceptance(self) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted, tested) draft tokens so far of each running row."""
+        running = [s for s in self.active() if self.reason[s] == RUNNING]
+        return self.accepted[running], self.tested[running]
+
+    def apply_stop_strings(self, should_stop) -> None:
+        reason = np.asarray(self.state.stop_reason).copy()
+        tokens, length = np.asarray(self.state.tokens), np.asarray(self.state.length)
+        changed = False
+        for s in self.active():
+            i = self.slot_row[s]
+            if reason[s] == RUNNING and should_stop(i, tokens[s, len(self.prompts[i]) : length[s]].tolist()):
+                reason[s], changed = STOP, True
+        if changed:
+            self.state = self.state.replace(stop_reason=jnp.asarray(reason))
+
+    def collect(self) -> None:
+        st = self.state
+        reason = np.asarray(st.stop_reason)
+        done = [s for s in self.active() if reason[s] != RUNNING]
+        if not done:
+            return
+        tokens, length = np.asarray(st.tokens), np.asarray(st.length)
+        loops, accepted = np.asarray(st.loops), np.asarray(st.accepted)
+        calls, draft_calls = np.asarray(st.calls), np.asarray(st.draft_calls)
+        for s in done:
+            i, lo = self.slot_row[s], len(self.prompts[self.slot_row[s]])
+            self.results[i] = RawSample(
+                token_ids=tuple(int(x) for x in tokens[s, lo : length[s]]), prompt_tokens=lo,
+                stop_reason=STOP_REASONS[int(reason[s])], calls=int(calls[s]),
+                loops=int(loops[s]), draft_calls=int(draft_calls[s]),
+                accepted=tuple(int(x) for x in accepted[s, : loops[s]]),
+                prefill_s=self.prefill_s[i], decode_s=self.decode_s[i])
+            self.slot_row[s] = -1

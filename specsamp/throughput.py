@@ -1,0 +1,144 @@
+"""Throughput benchmark (`specsamp bench --throughput`): tokens per second of a batch job,
+per batch size, drafter and K (a fixed K or `auto`, the batch-aware policy), with static
+batches (a batch runs until its longest row ends) and continuous batching (free slots are
+refilled), EOS on, on the same prompts, in one process.
+
+Every measured run follows an identical untimed run (same prompts, shapes and settings), so
+compilation is never timed. Figures:
+  prefill_tokens_per_s: prompt tokens over the wall time of prefill calls;
+  decode_tokens_per_s: generated tokens over the wall time of decode calls;
+  tokens_per_s: generated tokens over both;
+  ar_tokens_per_s, ar_decode_tokens_per_s: the same for the baseline (drafter "none", K 0)
+    at the same batch size and batching;
+  speedup: decode_tokens_per_s over the baseline's;
+  vs_static: (continuous rows) decode_tokens_per_s over the static row of the same setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from specsamp.continuous import ContinuousEngine
+from specsamp.kpolicy import AUTO_KS, auto_policy
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass
+class Measure:
+    prompts: int = 0
+    prompt_tokens: int = 0
+    generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    k_rounds: dict = dataclasses.field(default_factory=dict)
+
+
+def _continuous(engine, batch: int, k, prompts) -> ContinuousEngine:
+    if k != AUTO:
+        return ContinuousEngine(engine, batch)
+    # Chunks of 16 rounds at most: the policy re-decides K as acceptance estimates move.
+    cont = ContinuousEngine(engine, batch, ks=AUTO_KS, chunk_rounds=16)
+    cont.policy = auto_policy(engine, batch, cont.slots_for(prompts))
+    return cont
+
+
+def measure(engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k) -> Measure:
+    """One run of all prompts (seeds 0..n-1): `static` in groups of `batch` with the static
+    engine (with K auto, each group through a continuous engine with nothing to refill),
+    `continuous` through `batch` slots."""
+    seeds = list(range(len(prompts)))
+    m = Measure(prompts=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
+    if batching == "continuous" or k == AUTO:
+        groups = [range(len(prompts))] if batching == "continuous" else [
+            range(i, min(i + batch, len(prompts))) for i in range(0, len(prompts), batch)]
+        cont = _continuous(engine, batch, k, prompts)
+        for g in groups:
+            rows = cont.run([prompts[i] for i in g], [seeds[i] for i in g])
+            m.generated += sum(len(r.token_ids) for r in rows)
+        m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
+        return m
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        rows = engine.run(prompts[i : i + batch], seeds[i : i + batch])
+        wall = time.perf_counter() - t0
+        prefill = max(r.prefill_s for r in rows)  # the batch's prefill
+        m.prefill_s += prefill
+        m.decode_s += wall - prefill
+        m.generated += sum(len(r.token_ids) for r in rows)
+    return m
+
+
+def _warm_measure(engine, prompts, batch, batching, k, log) -> Measure:
+    measure(engine, prompts, batch, batching, k)  # compiles every shape the timed run uses
+    m = measure(engine, prompts, batch, batching, k)
+    log(f"  batch {batch} {batching} K={k}: {m.generated / m.decode_s:.1f} decode tokens/s")
+    return m
+
+
+def run_throughput(
+    load: Callable,  # (draft, k) -> Generator
+    prompts: Sequence[str],
+    drafter: str,
+    ks: Sequence,  # ints and/or "auto"
+    batch_sizes: Sequence[int],
+    batchings: Sequence[str] = ("static", "continuous"),
+    log: Callable[[str], None] = lambda s: None,
+) -> list[dict]:
+    ar = load("none", 1)
+    ids = [ar.encode_prompt(p) for p in prompts]
+    rows = []
+    for batch in batch_sizes:
+        static: dict = {}
+        for batching in batchings:
+            base = _warm_measure(ar.engine, ids, batch, batching, 0, log)
+            settings = [("none", 0, ar, base)]
+            for k in ks:
+                gen = load(drafter, max(AUTO_KS) if k == AUTO else k)
+                settings.append((gen.draft_id, k, gen, _warm_measure(gen.engine, ids, batch, batching, k, log)))
+            for name, k, gen, m in settings:
+                row = _row(batch, batching, name, k, m, base)
+                if batching == "static":
+                    static[(name, k)] = row["decode_tokens_per_s"]
+                elif (name, k) in static:
+                    row["vs_static"] = row["decode_tokens_per_s"] / static[(name, k)]
+                rows.append(row)
+    return rows
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
+def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
+    decode = _rate(m.generated, m.decode_s)
+    base_decode = _rate(base.generated, base.decode_s)
+    return {
+        "batch_size": batch, "batching": batching, "drafter": drafter, "k": k,
+        "prefill_tokens_per_s": _rate(m.prompt_tokens, m.prefill_s),
+        "decode_tokens_per_s": decode,
+        "tokens_per_s": _rate(m.generated, m.prefill_s + m.decode_s),
+        "ar_tokens_per_s": _rate(base.generated, base.prefill_s + base.decode_s),
+        "ar_decode_tokens_per_s": base_decode,
+        "speedup": decode / base_decode,
+        "prompts": m.prompts, "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated,
+        "prefill_s": m.prefill_s, "decode_s": m.decode_s,
+        "k_rounds": {str(key): v for key, v in sorted(m.k_rounds.items())},
+    }
+
+
+def format_throughput(rows: list[dict]) -> str:
+    head = (f"{'B':>3} {'batching':>10} {'drafter':>21} {'K':>4} {'prefill t/s':>11} "
+            f"{'decode t/s':>10} {'total t/s':>9} {'AR decode':>9} {'speed-up':>8} {'vs static':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        vs = f"{r['vs_static']:>8.2f}x" if "vs_static" in r else f"{'':>9}"
+        lines.append(
+            f"{r['batch_size']:>3} {r['batching']:>10} {r['drafter'][-21:]:>21} {str(r['k']):>4} "
+            f"{r['prefill_tokens_per_s']:>11.1f} {r['decode_tokens_per_s']:>10.1f} "
+            f"{r['tokens_per_s']:>9.1f} {r['ar_decode_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {vs}")
+    lines.append("decode t/s: generated tokens over decode wall time; total: over prefill + decode; "
+                 "speed-up: decode t/s over the baseline's (same B and batching)")
+    return "\n".join(lines)

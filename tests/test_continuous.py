@@ -1,0 +1,103 @@
+"""Continuous batching: rows inserted into free slots at chunk boundaries sample exactly as
+the static engine does (same tokens for the same prompt and seed), whatever their slot,
+neighbours or insertion time."""
+
+import numpy as np
+import pytest
+
+from specsamp.config import SamplingParams
+from specsamp.continuous import ContinuousEngine
+from tests.test_exactness import PROMPT, exact_joint, chi_square_pvalue, make_engine, ALPHA, N_TOKENS
+from tests import tiny
+
+# Prompts of three buckets' worth of lengths (the tiny model's context is 256).
+PROMPTS = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1], list(range(1, 8)) * 6, [2, 6] * 20,
+           [1, 2, 1, 2, 1, 2], [6] * 70, [4, 5, 6]]
+SEEDS = list(range(100, 100 + len(PROMPTS)))
+
+
+def _eos_engine(sp, drafter, k, max_new):
+    """A static engine whose EOS id ends rows at different times (mixed output lengths)."""
+    eng = make_engine(sp, drafter, k, max_new=max_new)
+    eng.eos_ids = (5,)
+    return eng
+
+
+@pytest.mark.parametrize("drafter,k,temperature", [
+    ("none", 1, 1.0), ("model", 3, 0.0), ("hybrid", 2, 0.0), ("feature", 3, 1.0), ("ngram", 2, 0.8),
+])
+def test_continuous_rows_equal_static_rows(drafter, k, temperature):
+    """Each row, inserted into 3 slots at different times next to different rows, has the
+    tokens and statistics it has in the static engine. Catches a slot that
+    keeps its previous occupant's cache, features or counters, keys that depend on the
+    slot, and rows that read their neighbours."""
+    sp = SamplingParams(temperature, 0, 0.9 if temperature else 1.0)
+    static = _eos_engine(sp, drafter, k, max_new=20)
+    cont = ContinuousEngine(static, batch=3, chunk_rounds=5)
+    got = cont.run(PROMPTS, SEEDS)
+    lengths = set()
+    # One static batch (a row's tokens do not depend on its static batch either:
+    # test_exactness.test_sample_depends_only_on_its_seed_not_its_batch).
+    for row, alone in zip(got, static.run(PROMPTS, SEEDS)):
+        assert row.token_ids == alone.token_ids
+        assert (row.stop_reason, row.accepted, row.calls, row.draft_calls) == (
+            alone.stop_reason, alone.accepted, alone.calls, alone.draft_calls)
+        assert row.prefill_s > 0 and row.decode_s > 0
+        lengths.add(len(row.token_ids))
+    assert len(lengths) > 2  # rows really ended at different times
+
+
+def test_continuous_sampling_matches_exact_target_distribution():
+    """Chi-square of the joint law of the first three tokens over many rows that pass
+    through 64 slots (a sampler that reused a slot's stale state would fail it)."""
+    sp = SamplingParams(1.0)
+    static = make_engine(sp, "model", 2, max_new=N_TOKENS)
+    cont = ContinuousEngine(static, batch=64)
+    n = 6000
+    counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
+    for r in cont.run([PROMPT] * n, list(range(n))):
+        counts[tuple(r.token_ids[:N_TOKENS])] += 1
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+
+
+class _Cycle:
+    """A K policy that walks through the engine's ks in turn (every switch, plain rounds
+    included, happens), recording what it saw."""
+
+    def __init__(self, n):
+        self.n, self.i, self.seen = n, -1, []
+
+    def __call__(self, accepted, tested):
+        assert np.all(accepted <= tested)
+        self.seen.append(len(tested))
+        self.i = (self.i + 1) % self.n
+        return self.i
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_switching_k_between_chunks_keeps_greedy_output(drafter):
+    """Chunks alternate K = 0 (plain rounds, after which the drafter's cache is rebuilt),
+    1 and 3: greedy output equals the static autoregressive engine's token for token.
+    Catches a K switch that corrupts the state or a stale draft cache that changes output."""
+    sp = SamplingParams(0.0)
+    ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
+    policy = _Cycle(3)
+    cont = ContinuousEngine(_eos_engine(sp, drafter, 3, max_new=20), batch=3, ks=(0, 1, 3),
+                            policy=policy, chunk_rounds=3)
+    got = cont.run(PROMPTS, SEEDS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert set(cont.k_rounds) == {0, 1, 3} and max(policy.seen) == 3
+    assert any(r.loops for r in got) and all(r.loops <= r.calls for r in got)
+
+
+def test_switching_k_samples_exactly():
+    """The same switching under sampling (temperature 1, the feature draft whose cache and
+    features must survive plain chunks): chi-square against the exact target law."""
+    sp = SamplingParams(1.0)
+    cont = ContinuousEngine(make_engine(sp, "feature", 3, max_new=N_TOKENS), batch=64,
+                            ks=(0, 1, 3), policy=_Cycle(3), chunk_rounds=1)
+    n = 6000
+    counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
+    for r in cont.run([PROMPT] * n, list(range(n))):
+        counts[tuple(r.token_ids[:N_TOKENS])] += 1
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA

@@ -1,0 +1,66 @@
+"""The batch-aware K policy picks the K of highest expected tokens per second."""
+
+import numpy as np
+import pytest
+
+from specsamp.costs import CostCurve
+from specsamp.kpolicy import KPolicy, expected_tokens
+
+KS = (0, 1, 2, 4)
+
+
+def _policy(score, draft=0.0):
+    return KPolicy(CostCurve(8, {t: score(t) for t in (1, 2, 3, 5)}, draft), KS)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(np.array([0.0, 0.5, 1.0]), 2) == pytest.approx([1.0, 1.75, 3.0])
+
+
+def test_flat_scoring_costs_favour_long_drafts():
+    """Memory-bound (scoring K+1 tokens costs one step): drafting pays at any alpha > 0."""
+    policy = _policy(lambda t: 1.0, draft=0.01)
+    assert KS[policy(np.array([30.0, 28.0]), np.array([40.0, 40.0]))] == 4
+
+
+def test_compute_bound_scoring_turns_drafting_off():
+    """Compute-bound (cost grows with tokens scored) and alpha 0.3: plain rounds win."""
+    policy = _policy(lambda t: float(t), draft=0.05)
+    assert KS[policy(np.array([3.0, 3.0]), np.array([10.0, 10.0]))] == 0
+
+
+def test_choice_follows_acceptance_at_a_middle_cost():
+    """Scoring costs 1 + 0.2 per extra token: rows that accept 90% draft 4, rows that
+    accept 10% do not draft at all."""
+    policy = _policy(lambda t: 1 + 0.2 * (t - 1), draft=0.02)
+    assert KS[policy(np.array([90.0]), np.array([100.0]))] == 4
+    assert KS[policy(np.array([10.0]), np.array([100.0]))] == 0
+    assert policy.chosen == [4, 0]
+
+
+def test_fresh_rows_borrow_the_pooled_rate():
+    """A row without tested tokens is estimated at its neighbours' pooled rate, not 0."""
+    policy = _policy(lambda t: 1.0)
+    alpha = policy.alphas(np.array([0.0, 80.0]), np.array([0.0, 100.0]))
+    assert alpha[0] == pytest.approx(81 / 102)
+
+
+def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
+    """The first call times every (batch, tokens) pair the policy needs and writes them
+    under $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
+    from specsamp import costs
+    from specsamp.config import SamplingParams
+    from tests.test_exactness import make_engine
+
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))
+    engine = make_engine(SamplingParams(0.0), "model", 4)
+    first = costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128, repeats=1)
+    assert sorted(first.score) == [1, 3] and first.draft > 0
+    assert all(s > 0 for s in first.score.values())
+    assert len(list((tmp_path / "costs").iterdir())) == 1
+
+    def no_timing(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(costs, "_timer", no_timing)
+    assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
