@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specsamp.compilation import compiled
 from specsamp.decode import Program, _ar_round, _spec_round, new_state, prefill
 from specsamp.engine import Engine, RawSample, prompt_bucket
+from specsamp.rounds import from_log
 from specsamp.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
 
 
@@ -69,7 +71,7 @@ def _scatter(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> Decode
     caches = ("target_cache", "draft_cache")
     rows = jax.tree.map(put(0), state.replace(**{c: None for c in caches}),
                         fresh.replace(**{c: None for c in caches}))
-    # KV caches are [L, B, S, J, E]: their batch axis is 1.
+    # KV caches are [L, B, J, S, E]: their batch axis is 1.
     return rows.replace(**{c: jax.tree.map(put(1), getattr(state, c), getattr(fresh, c))
                            for c in caches})
 
@@ -173,10 +175,15 @@ class ContinuousEngine:
         while run.pending or run.active():
             run.refill()
             t0 = time.perf_counter()  # a drafter's resync (in _choose) is decode time too
+            compiling = run.compile_s
             variant, k = self._choose(run)
-            run.state, rounds = decode_chunk(
-                variant, eng.target_params, eng.draft_params, run.state, eos, stops,
-                jnp.int32(self.chunk_rounds), jnp.int32(run.refill_at()))
+            traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
+                          state=run.state, eos_ids=eos, stop_ids=stops,
+                          max_rounds=jnp.int32(self.chunk_rounds), refill_at=jnp.int32(run.refill_at()))
+            exe, seconds = compiled(decode_chunk, dict(variant=variant), traced)
+            run.compile_s += seconds
+            t0 += run.compile_s - compiling  # compiling is not decoding (`compile_s` column)
+            run.state, rounds = exe(**traced)
             rounds = int(rounds)  # waits for the chunk
             seconds = time.perf_counter() - t0
             self.k_rounds[k] += rounds
@@ -197,7 +204,10 @@ class ContinuousEngine:
         if run.plain and not variant.plain and variant.prog.drafter.uses_cache:
             eng = self.engine
             width = min(prompt_bucket(int(np.asarray(run.state.length).max())), run.state.tokens.shape[1])
-            run.state = resync(variant.prog, eng.draft_params, run.state, width)
+            traced = dict(draft_params=eng.draft_params, state=run.state)
+            exe, seconds = compiled(resync, dict(prog=variant.prog, width=width), traced)
+            run.compile_s += seconds
+            run.state = exe(**traced)
         run.plain = variant.plain
         return variant, self.ks[i]
 
@@ -214,7 +224,7 @@ class _Run:
         self.prefill_s = [0.0] * len(prompts)
         self.decode_s = [0.0] * len(prompts)
         self.calls = np.zeros(owner.batch, np.int64)
-        self.loops = np.zeros(owner.batch, np.int64)
+        self.compile_s = 0.0  # compiled since the last collected row (charged to the next one)
         self.accepted = np.zeros(owner.batch)
         self.tested = np.zeros(owner.batch)
         self.reason = np.full(owner.batch, MAX_TOKENS)
@@ -245,13 +255,17 @@ class _Run:
             ids = self.prompts[i]
             padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], free[j]
             self.slot_row[free[j]] = i
-            self.calls[free[j]] = self.loops[free[j]] = self.accepted[free[j]] = self.tested[free[j]] = 0
+            self.calls[free[j]] = self.accepted[free[j]] = self.tested[free[j]] = 0
             self.reason[free[j]] = RUNNING
-        t0 = time.perf_counter()
+        traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
+                      state=self.state, prompts=jnp.asarray(padded), lens=jnp.asarray(lens),
+                      seeds=jnp.asarray(seeds), slots=jnp.asarray(where))
         # The current (last) prompt token is fed by the first round, not by prefill.
-        self.state = insert(eng.prog, eng.target_params, eng.draft_params, self.state,
-                            jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(seeds),
-                            jnp.asarray(where), eng.max_new_tokens, bucket - 1)
+        exe, seconds = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens,
+                                             width=bucket - 1), traced)
+        self.compile_s += seconds
+        t0 = time.perf_counter()
+        self.state = exe(**traced)
         jax.block_until_ready(self.state.length)
         self.owner.prefill_s += time.perf_counter() - t0
         share = (time.perf_counter() - t0) / len(take)
@@ -262,15 +276,16 @@ class _Run:
         """Give each row its share of a chunk that ran `rounds` rounds at K = k, and count
         its tested draft tokens (a round that kept fewer than k stopped at a rejection)."""
         st = self.state
-        calls, loops, acc = np.asarray(st.calls), np.asarray(st.loops), np.asarray(st.accepted)
+        calls, log = np.asarray(st.calls), np.asarray(st.round_accepted)
         self.reason = np.array(st.stop_reason)
         for s in self.active():
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
-            new = acc[s, self.loops[s] : loops[s]]
+            new = log[s, self.calls[s] : calls[s]]
+            new = new[new >= 0]  # -1: a plain round, no draft scored
             self.accepted[s] += new.sum()
             self.tested[s] += new.sum() + (new < k).sum()
-        self.calls, self.loops = calls.astype(np.int64), loops.astype(np.int64)
+        self.calls = calls.astype(np.int64)
 
     def acceptance(self) -> tuple[np.ndarray, np.ndarray]:
         """(accepted, tested) draft tokens so far of each running row."""
@@ -294,15 +309,18 @@ class _Run:
         done = [s for s in self.active() if reason[s] != RUNNING]
         if not done:
             return
-        tokens, length = np.asarray(st.tokens), np.asarray(st.length)
-        loops, accepted = np.asarray(st.loops), np.asarray(st.accepted)
-        calls, draft_calls = np.asarray(st.calls), np.asarray(st.draft_calls)
+        tokens, length, calls = np.asarray(st.tokens), np.asarray(st.length), np.asarray(st.calls)
+        logs = [np.asarray(a) for a in (st.round_tokens, st.round_accepted, st.round_draft_calls)]
         for s in done:
             i, lo = self.slot_row[s], len(self.prompts[self.slot_row[s]])
+            n = int(calls[s])
+            # The row's own decode time stands as a "batch" of its own rounds, so that
+            # `RawSample.decode_s` is exactly it (and a stop-string cut scales it by rounds).
             self.results[i] = RawSample(
                 token_ids=tuple(int(x) for x in tokens[s, lo : length[s]]), prompt_tokens=lo,
-                stop_reason=STOP_REASONS[int(reason[s])], calls=int(calls[s]),
-                loops=int(loops[s]), draft_calls=int(draft_calls[s]),
-                accepted=tuple(int(x) for x in accepted[s, : loops[s]]),
-                prefill_s=self.prefill_s[i], decode_s=self.decode_s[i])
+                stop_reason=STOP_REASONS[int(reason[s])],
+                rounds=from_log(*(log[s] for log in logs), n),
+                prefill_s=self.prefill_s[i], batch_decode_s=self.decode_s[i], batch_rounds=max(n, 1),
+                compile_s=self.compile_s)
+            self.compile_s = 0.0  # the column sums to the run's compile time
             self.slot_row[s] = -1
