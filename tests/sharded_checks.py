@@ -1,0 +1,118 @@
+"""Checks of the tensor-parallel engine, run in a child process that simulates 8 CPU
+devices (XLA_FLAGS must be set before JAX starts, so not in the pytest process).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.sharded_checks greedy
+
+prints one JSON object; tests/test_sharding.py asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from specsamp.config import SamplingParams
+from specsamp.decode import Program
+from specsamp.drafters import ModelDrafter
+from specsamp.engine import Engine
+from specsamp.mesh import make_mesh
+from specsamp.models import Model
+from specsamp.models.sharding import replicate_params
+from specsamp.quant import int8_kernel
+from tests import tiny
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+# (case, device counts): every count for the baseline; fewer for the rest (compile time).
+GREEDY = (("none", (1, 2, 4, 8)), ("model", (1, 2, 8)), ("early-exit", (1, 4)), ("int8", (1, 2)))
+
+
+def int8_params():
+    """The tiny target with every Dense kernel as int8 per channel (XLA path)."""
+    def convert(path, a):
+        name = str(getattr(path[-1], "key", ""))
+        return int8_kernel(a, "xla") if name == "kernel" else a
+
+    return jax.tree_util.tree_map_with_path(convert, tiny.target_params())
+
+
+def engine(n: int, sp: SamplingParams, drafter: str, target_params=None, max_new=24):
+    """The tiny target split over n devices, with a draft model replicated on them (or the
+    target's first layer, split as the target is)."""
+    mesh = make_mesh(n)
+    target = Model(tiny.TARGET, mesh)
+    params = target.shard_params(target_params or tiny.target_params())
+    draft, draft_params = None, None
+    if drafter == "model":
+        draft, draft_params = ModelDrafter(tiny.DRAFT, 2, sp), replicate_params(tiny.draft_params(), mesh)
+    elif drafter == "early-exit":
+        small, draft_params = target.first_layers(params, 1)
+        draft = ModelDrafter(small.cfg, 3, sp, kind="early-exit")
+    return Engine(Program(tiny.TARGET, sp, draft), params, draft_params, eos_ids=(),
+                  max_new_tokens=max_new, mesh=mesh)
+
+
+def greedy() -> dict:
+    """Token ids per (case, n): baseline, draft model, early exit, and int8 weights."""
+    out = {}
+    for case, sizes in GREEDY:
+        for n in sizes:
+            drafter = "none" if case == "int8" else case
+            weights = int8_params() if case == "int8" else None
+            eng = engine(n, SamplingParams(0.0), drafter, weights)
+            out[f"{case}/{n}"] = [list(r.token_ids) for r in eng.run(PROMPTS, [0, 1, 2, 3])]
+    return out
+
+
+def sampled() -> dict:
+    """Chi-square p-values of the first three tokens' joint distribution, sampled with the
+    target split over 2 devices (attention and MLP split) and over 8 (MLP split,
+    attention replicated), against the exact joint from a one-device full forward."""
+    from tests.test_exactness import N_TOKENS, chi_square_pvalue, exact_joint, sample_counts
+
+    sp = SamplingParams(1.0)
+    joint = exact_joint(sp)
+    out = {}
+    for n in (2, 8):
+        counts, acceptance = sample_counts(engine(n, sp, "model", max_new=N_TOKENS))
+        out[f"model/{n}"] = {"p": chi_square_pvalue(counts, joint), "acceptance": acceptance}
+    # Power: a sampler at temperature 1.1 must fail against the temperature-1 joint.
+    counts, _ = sample_counts(engine(2, SamplingParams(1.1), "model", max_new=N_TOKENS))
+    out["power"] = {"p": chi_square_pvalue(counts, joint)}
+    return out
+
+
+def collectives() -> dict:
+    """The collectives in the compiled decode program of the split target, per n."""
+    from specsamp.decode import decode, new_state, prefill
+
+    out = {}
+    for n in (2, 8):
+        eng = engine(n, SamplingParams(0.0), "none")
+        hlo = _compiled_decode_text(eng, decode, new_state, prefill)
+        out[str(n)] = {op: hlo.count(op) for op in ("all-reduce", "all-gather", "reduce-scatter",
+                                                    "all-to-all", "collective-permute")}
+        out[str(n)]["devices"] = len(eng.target_params["final_norm"]["scale"].sharding.device_set)
+    return out
+
+
+def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
+    import jax.numpy as jnp
+
+    state = new_state(eng.prog, jnp.asarray([PROMPTS[0]]), jnp.asarray([8]), 4,
+                      jnp.asarray([0], jnp.uint32), 128, None)
+    state = eng._place(state)
+    eos = jnp.asarray([-1]); stops = jnp.asarray([-1])
+    lowered = decode.lower(eng.prog, eng.target_params, None, state, eos, stops, jnp.int32(4))
+    return lowered.compile().as_text()
+
+
+if __name__ == "__main__":
+    from specsamp.engine import enable_compilation_cache
+
+    enable_compilation_cache()
+    assert len(jax.devices()) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    checks = {"greedy": greedy, "sampled": sampled, "collectives": collectives}
+    print(json.dumps({name: checks[name]() for name in sys.argv[1:]}, default=float))
