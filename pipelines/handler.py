@@ -36,7 +36,8 @@ def generator_spec(cfg: RunConfig, setting: Setting):
     return GeneratorSpec(target=cfg.target, draft=setting.draft, k=max(setting.k, 1),
                          sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
-                         batch_size=cfg.batch_size, weights=cfg.weights)
+                         batch_size=cfg.batch_size, weights=cfg.weights,
+                         tensor_parallel=cfg.tensor_parallel)
 
 
 class Generators:

@@ -98,6 +98,34 @@ def collectives() -> dict:
     return out
 
 
+def pipeline() -> dict:
+    """The Beam pipeline (DirectRunner) on a tiny checkpoint, once on one device and once
+    with tensor_parallel: 2 (attention, MLP and vocabulary all split): rows of each run."""
+    import os
+    import tempfile
+
+    from pipelines.generate import run
+    from tests.pipeline_support import read, tiny_models, write_config, write_prompts
+
+    root = tempfile.mkdtemp(prefix="specsamp-tp-")
+    target, draft = tiny_models(os.path.join(root, "models"))
+    write_prompts(os.path.join(root, "prompts"))
+    out = {}
+    for n in (1, 2):
+        folder = os.path.join(root, f"tp{n}")
+        os.makedirs(folder)
+        config = write_config(os.path.join(folder, "run.yaml"), target, draft, tensor_parallel=n,
+                              settings=[{"draft": "none"}, {"draft": draft, "k": 3}])
+        # write_config puts prompts next to the config: point it at the shared folder.
+        run(["--config", config, "--input", os.path.join(root, "prompts", "mixed-*.parquet"),
+             "--runner", "DirectRunner"])
+        done = read(os.path.join(folder, "out"), "completions").to_pylist()
+        failed = read(os.path.join(folder, "out"), "errors").to_pylist()
+        out[str(n)] = {"completions": sorted([r["id"], r["draft"] == "none", r["text"]] for r in done),
+                       "errors": sorted([r["id"], r["error_kind"]] for r in failed)}
+    return out
+
+
 def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
     import jax.numpy as jnp
 
@@ -114,5 +142,5 @@ if __name__ == "__main__":
 
     enable_compilation_cache()
     assert len(jax.devices()) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    checks = {"greedy": greedy, "sampled": sampled, "collectives": collectives}
+    checks = {"greedy": greedy, "sampled": sampled, "collectives": collectives, "pipeline": pipeline}
     print(json.dumps({name: checks[name]() for name in sys.argv[1:]}, default=float))

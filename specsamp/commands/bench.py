@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specsamp.commands.common import add_weights_arg, print_json, status
+from specsamp.commands.common import add_tensor_parallel_arg, add_weights_arg, print_json, status
 from specsamp.errors import UserError
 
 
@@ -37,6 +37,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
     add_weights_arg(p, many=True)
+    add_tensor_parallel_arg(p)
     p.set_defaults(func=run)
 
 
@@ -76,7 +77,8 @@ def run(args) -> int:
     def maker(weights):
         def make(draft, k, sp):
             spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
-                                 max_new_tokens=args.max_new_tokens, weights=weights)
+                                 max_new_tokens=args.max_new_tokens, weights=weights,
+                                 tensor_parallel=args.tensor_parallel)
             if not loaded:
                 status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
             gen = load_generator(spec)
@@ -85,7 +87,7 @@ def run(args) -> int:
         return make
 
     status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats, "
-           f"weights {','.join(args.weights)}")
+           f"weights {','.join(args.weights)}, tensor parallel {args.tensor_parallel}")
     stream = streaming_bandwidth()
     groups = []
     for weights in args.weights:

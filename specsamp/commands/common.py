@@ -52,6 +52,22 @@ def weights_list_one(text: str) -> str:
     return items[0]
 
 
+def add_tensor_parallel_arg(p) -> None:
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="split the target over this worker's first N devices (tensor "
+                        "parallel; the draft is copied to each); default 1")
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
