@@ -66,20 +66,35 @@ def greedy() -> dict:
     return out
 
 
-def sampled() -> dict:
+def _counts(eng, n_samples: int, rows: int = 2000) -> tuple[np.ndarray, float]:
+    """Counts of the first three tokens over n_samples seeds, `rows` per call (one shape;
+    smaller batches than tests/test_exactness.py: 8 simulated devices hold copies)."""
+    from tests.test_exactness import N_TOKENS, PROMPT
+
+    counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
+    accepted = drafted = 0
+    for start in range(0, n_samples, rows):
+        for r in eng.run([PROMPT] * rows, list(range(start, start + rows))):
+            counts[tuple(r.token_ids[:N_TOKENS])] += 1
+            accepted += sum(r.accepted)
+            drafted += eng.prog.k * r.loops
+    return counts, accepted / max(drafted, 1)
+
+
+def sampled(n_samples: int = 16_000) -> dict:
     """Chi-square p-values of the first three tokens' joint distribution, sampled with the
     target split over 2 devices (attention and MLP split) and over 8 (MLP split,
     attention replicated), against the exact joint from a one-device full forward."""
-    from tests.test_exactness import N_TOKENS, chi_square_pvalue, exact_joint, sample_counts
+    from tests.test_exactness import N_TOKENS, chi_square_pvalue, exact_joint
 
     sp = SamplingParams(1.0)
     joint = exact_joint(sp)
     out = {}
     for n in (2, 8):
-        counts, acceptance = sample_counts(engine(n, sp, "model", max_new=N_TOKENS))
+        counts, acceptance = _counts(engine(n, sp, "model", max_new=N_TOKENS), n_samples)
         out[f"model/{n}"] = {"p": chi_square_pvalue(counts, joint), "acceptance": acceptance}
     # Power: a sampler at temperature 1.1 must fail against the temperature-1 joint.
-    counts, _ = sample_counts(engine(2, SamplingParams(1.1), "model", max_new=N_TOKENS))
+    counts, _ = _counts(engine(2, SamplingParams(1.1), "model", max_new=N_TOKENS), n_samples)
     out["power"] = {"p": chi_square_pvalue(counts, joint)}
     return out
 
@@ -99,31 +114,31 @@ def collectives() -> dict:
 
 
 def pipeline() -> dict:
-    """The Beam pipeline (DirectRunner) on a tiny checkpoint, once on one device and once
-    with tensor_parallel: 2 (attention, MLP and vocabulary all split): rows of each run."""
+    """The Beam pipeline (DirectRunner) on a tiny checkpoint with tensor_parallel: 2
+    (attention, MLP and vocabulary all split) and a replicated draft model: its rows, and
+    the same prompts' greedy completions from a one-device Generator."""
     import os
     import tempfile
 
     from pipelines.generate import run
-    from tests.pipeline_support import read, tiny_models, write_config, write_prompts
+    from specsamp.generator import GeneratorSpec, load_generator
+    from tests.pipeline_support import GOOD, read, tiny_models, write_config, write_prompts
 
     root = tempfile.mkdtemp(prefix="specsamp-tp-")
     target, draft = tiny_models(os.path.join(root, "models"))
     write_prompts(os.path.join(root, "prompts"))
-    out = {}
-    for n in (1, 2):
-        folder = os.path.join(root, f"tp{n}")
-        os.makedirs(folder)
-        config = write_config(os.path.join(folder, "run.yaml"), target, draft, tensor_parallel=n,
-                              settings=[{"draft": "none"}, {"draft": draft, "k": 3}])
-        # write_config puts prompts next to the config: point it at the shared folder.
-        run(["--config", config, "--input", os.path.join(root, "prompts", "mixed-*.parquet"),
-             "--runner", "DirectRunner"])
-        done = read(os.path.join(folder, "out"), "completions").to_pylist()
-        failed = read(os.path.join(folder, "out"), "errors").to_pylist()
-        out[str(n)] = {"completions": sorted([r["id"], r["draft"] == "none", r["text"]] for r in done),
-                       "errors": sorted([r["id"], r["error_kind"]] for r in failed)}
-    return out
+    config = write_config(os.path.join(root, "run.yaml"), target, draft, tensor_parallel=2,
+                          settings=[{"draft": draft, "k": 3}], batch_size=4)
+    run(["--config", config, "--runner", "DirectRunner"])
+    done = read(os.path.join(root, "out"), "completions").to_pylist()
+    failed = read(os.path.join(root, "out"), "errors").to_pylist()
+    gen = load_generator(GeneratorSpec(target=target, draft=draft, k=3, chat=True,
+                                       max_new_tokens=16, batch_size=4))
+    reference = {f"good/{i}": list(c.token_ids)
+                 for i, c in enumerate(gen.generate(GOOD, [0] * len(GOOD)))}
+    return {"completions": {r["id"]: list(r["completion_token_ids"]) for r in done},
+            "errors": sorted([r["id"], r["error_kind"]] for r in failed),
+            "one_device": reference}
 
 
 def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
