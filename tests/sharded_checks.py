@@ -83,14 +83,15 @@ def _counts(eng, n_samples: int, rows: int = 2000) -> tuple[np.ndarray, float]:
 
 def sampled(n_samples: int = 16_000) -> dict:
     """Chi-square p-values of the first three tokens' joint distribution, sampled with the
-    target split over 2 devices (attention and MLP split) and over 8 (MLP split,
-    attention replicated), against the exact joint from a one-device full forward."""
+    target split over 2 devices (attention, MLP and vocabulary all split; the replicated
+    attention of larger N is covered by the greedy check), against the exact joint from a
+    one-device full forward."""
     from tests.test_exactness import N_TOKENS, chi_square_pvalue, exact_joint
 
     sp = SamplingParams(1.0)
     joint = exact_joint(sp)
     out = {}
-    for n in (2, 8):
+    for n in (2,):
         counts, acceptance = _counts(engine(n, sp, "model", max_new=N_TOKENS), n_samples)
         out[f"model/{n}"] = {"p": chi_square_pvalue(counts, joint), "acceptance": acceptance}
     # Power: a sampler at temperature 1.1 must fail against the temperature-1 joint.

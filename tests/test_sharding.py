@@ -46,12 +46,11 @@ def test_greedy_tokens_identical_on_1_2_4_8_devices(checks):
 
 def test_sampled_tokens_distributed_exactly_when_split(checks):
     """Chi-square of the first three tokens' joint distribution (speculative, draft model
-    replicated) on 2 and 8 devices against exact target probabilities; the same check must
+    replicated) on 2 devices against exact target probabilities; the same check must
     reject a sampler at the wrong temperature, so it can fail."""
     sampled = checks["sampled"]
-    for n in (2, 8):
-        assert sampled[f"model/{n}"]["p"] > ALPHA
-        assert 0.0 < sampled[f"model/{n}"]["acceptance"] < 1.0
+    assert sampled["model/2"]["p"] > ALPHA
+    assert 0.0 < sampled["model/2"]["acceptance"] < 1.0
     assert sampled["power"]["p"] < ALPHA
 
 
