@@ -38,12 +38,8 @@ def make_mesh(n: int) -> Mesh | None:
     return Mesh(np.array(devices[:n]), (AXIS,))
 
 
-def size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape[AXIS]
-
-
 def replicate(tree, mesh: Mesh | None):
-    """Every array of `tree` copied to all devices of the mesh (the co-located draft)."""
+    """Every array of `tree` copied to all devices of the mesh (small decode state)."""
     if mesh is None or tree is None:
         return tree
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specsamp.mesh import AXIS
+from specsamp.mesh import AXIS, replicate
 from specsamp.quant import is_quantized
 
 
@@ -101,9 +101,7 @@ def replicate_params(params, mesh: Mesh | None):
     """A whole copy of `params` on every device of the mesh (a small co-located draft),
     quantized weights on the XLA path (an FFI call in a partitioned program is not
     something XLA can split)."""
-    if mesh is None or params is None:
-        return params
-    return jax.device_put(_xla(params), NamedSharding(mesh, PartitionSpec()))
+    return params if mesh is None else replicate(_xla(params), mesh)
 
 
 def cache_sharding(cfg, mesh: Mesh) -> NamedSharding:
