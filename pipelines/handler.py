@@ -51,7 +51,8 @@ def generator_spec(cfg: RunConfig, setting: Setting):
                          k="auto" if setting.k == K_AUTO else max(setting.k, 1),
                          sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
-                         batch_size=cfg.batch_size, weights=cfg.weights, batching="continuous")
+                         batch_size=cfg.batch_size, weights=cfg.weights,
+                         tensor_parallel=cfg.tensor_parallel, batching="continuous")
 
 
 class Generators:

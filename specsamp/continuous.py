@@ -168,7 +168,7 @@ class ContinuousEngine:
         for ids in prompts:
             eng.check_prompt(ids)
         n = len(prompts)
-        state = empty_state(eng.prog, self.batch, self.slots_for(prompts), eng.max_new_tokens)
+        state = eng.place(empty_state(eng.prog, self.batch, self.slots_for(prompts), eng.max_new_tokens))
         eos = jnp.asarray(np.array(eng.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
         run = _Run(self, prompts, seeds, state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,18 @@ class Engine:
     eos_ids: tuple[int, ...] = ()
     max_new_tokens: int = 256
     rounds_per_call: int = 1 << 30
+    mesh: Any = None  # a tensor-parallel mesh (specsamp.mesh) the params are placed on
+
+    def place(self, state):
+        """The decode state on the mesh: replicated, except the target's KV cache, which
+        is split as the target's weights are (`Model.cache_sharding`)."""
+        if self.mesh is None:
+            return state
+        from specsamp.mesh import replicate
+        from specsamp.models import Model
+
+        cache = Model(self.prog.target, self.mesh).shard_cache(state.target_cache)
+        return replicate(state.replace(target_cache=None), self.mesh).replace(target_cache=cache)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -133,6 +145,7 @@ class Engine:
             jnp.asarray(seeds_arr), self._slots(bucket), draft_cfg,
             feature_dim=self.prog.target.d_model if getattr(drafter, "needs_features", False) else 0,
         )
+        state = self.place(state)
         eos = jnp.asarray(np.array(self.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
 

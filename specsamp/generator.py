@@ -21,7 +21,9 @@ from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, Ngram
 from specsamp.drafts import default_draft
 from specsamp.engine import Engine
 from specsamp.errors import UserError
+from specsamp.mesh import check_tensor_parallel, make_mesh
 from specsamp.models import Model
+from specsamp.models.sharding import replicate_params
 from specsamp.results import Completion
 
 
@@ -34,7 +36,10 @@ class GeneratorSpec:
     a feature draft (or a shipped draft's name, `specsamp.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
     weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
-    `specsamp.loading`), for the target and a separate draft model alike."""
+    `specsamp.loading`), for the target and a separate draft model alike.
+    tensor_parallel: split the target over this many of the worker's devices
+    (`specsamp.models.sharding`); the draft runs on the same devices, replicated (an
+    early-exit draft shares the target's split weights)."""
 
     target: str | None = None
     draft: str = "none"
@@ -50,6 +55,7 @@ class GeneratorSpec:
     # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.continuous`),
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.k != K_AUTO:
@@ -65,6 +71,7 @@ class GeneratorSpec:
         from specsamp.loading import check_weights
 
         check_weights(self.weights)
+        check_tensor_parallel(self.tensor_parallel)
 
     @property
     def mode(self) -> str:
@@ -79,15 +86,21 @@ _MODELS: dict = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def load_model_once(spec: str | None, weights: str = "stored"):
-    """load_model, once per process and weight format: generators of several settings (a
-    K sweep) share one copy of the weights, which are never modified."""
+def load_model_once(spec: str | None, weights: str = "stored", mesh=None):
+    """load_model, once per process, weight format and mesh: generators of several
+    settings (a K sweep) share one copy of the weights, which are never modified. With a
+    mesh, the weights are split over it (`Model.shard_params`)."""
     from specsamp.loading import DEFAULT_MODEL, load_model
 
-    key = (spec or DEFAULT_MODEL, weights)
+    key = (spec or DEFAULT_MODEL, weights, mesh)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            _MODELS[key] = load_model(spec, weights)
+            if mesh is None:
+                _MODELS[key] = load_model(spec, weights)
+            else:
+                base = _MODELS.get(key[:2] + (None,)) or load_model(spec, weights)
+                params = Model(base.cfg, mesh).shard_params(base.params)
+                _MODELS[key] = dataclasses.replace(base, params=params)
         return _MODELS[key]
 
 
@@ -99,7 +112,8 @@ class Generator:
         from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
 
         self.spec = spec
-        self.target = load_model_once(spec.target, spec.weights)
+        self.mesh = make_mesh(spec.tensor_parallel)
+        self.target = load_model_once(spec.target, spec.weights, self.mesh)
         self.tokenizer = self.target.tokenizer
         self.draft = default_draft(spec.target) if spec.draft == "auto" else spec.draft
         kind, arg = parse_draft(self.draft)
@@ -111,7 +125,7 @@ class Generator:
         elif kind == "early-exit":
             if arg >= cfg.n_layers:
                 raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
-            draft_model, draft_params = Model(cfg).first_layers(self.target.params, arg)
+            draft_model, draft_params = Model(cfg, self.mesh).first_layers(self.target.params, arg)
             drafter = ModelDrafter(draft_model.cfg, k, sp, kind="early-exit")
         elif kind == "hybrid":
             n, path = arg
@@ -130,9 +144,11 @@ class Generator:
             draft_params = draft.params
         self.drafter = drafter
         self.engine = Engine(
-            Program(cfg, sp, drafter), self.target.params, draft_params,
+            Program(cfg, sp, drafter), self.target.params,
+            # A separate draft is small: a full copy on every device of the mesh.
+            draft_params if kind == "early-exit" else replicate_params(draft_params, self.mesh),
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
-            rounds_per_call=16 if spec.stop else 1 << 30,
+            rounds_per_call=16 if spec.stop else 1 << 30, mesh=self.mesh,
         )
         self._cost_ratio: float | None = None
         self._continuous = None  # ContinuousEngine, built on first use

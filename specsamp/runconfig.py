@@ -82,6 +82,7 @@ class RunConfig:
     dataset: str | None = None
     workers: Workers = Workers()
     weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
+    tensor_parallel: int = 1  # split the target over each worker's first N devices
 
     @property
     def target_name(self) -> str:
@@ -228,6 +229,7 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
         _check_path(cfg.target, "target", where)
     _check_int(cfg.max_new_tokens, "max_new_tokens", 1, fail)
     _check_int(cfg.batch_size, "batch_size", 1, fail)
+    _check_int(cfg.tensor_parallel, "tensor_parallel", 1, fail)
     _check_int(cfg.seed, "seed", 0, fail)
     if cfg.limit is not None:
         _check_int(cfg.limit, "limit", 1, fail)

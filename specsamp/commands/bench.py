@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from specsamp.commands.common import add_weights_arg, k_value, print_json, status
+from specsamp.commands.common import (
+    add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
+)
 from specsamp.errors import UserError
 
 
@@ -47,6 +49,7 @@ def register(sub) -> None:
                    help="with --throughput: batch sizes (slots), e.g. 1,8,32")
     p.add_argument("--batching", type=_list(str), default=["static", "continuous"],
                    help="with --throughput: static and/or continuous (default both)")
+    add_tensor_parallel_arg(p)
     p.set_defaults(func=run)
 
 
@@ -92,7 +95,8 @@ def run(args) -> int:
     def maker(weights):
         def make(draft, k, sp):
             spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
-                                 max_new_tokens=args.max_new_tokens, weights=weights)
+                                 max_new_tokens=args.max_new_tokens, weights=weights,
+                                 tensor_parallel=args.tensor_parallel)
             if not loaded:
                 status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
             gen = load_generator(spec)
@@ -101,7 +105,7 @@ def run(args) -> int:
         return make
 
     status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats, "
-           f"weights {','.join(args.weights)}")
+           f"weights {','.join(args.weights)}, tensor parallel {args.tensor_parallel}")
     stream = streaming_bandwidth()
     groups = []
     for weights in args.weights:
@@ -155,7 +159,8 @@ def run_throughput_command(args) -> int:
         def load(draft, k, weights=weights):
             return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
                                                 chat=chat, max_new_tokens=args.max_new_tokens,
-                                                weights=weights))
+                                                weights=weights,
+                                                tensor_parallel=args.tensor_parallel))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status)

@@ -57,6 +57,20 @@ def weights_list_one(text: str) -> str:
 def k_value(text: str):
     """A K on the command line: an integer, or 'auto' (the batch-aware policy)."""
     return "auto" if text.strip() == "auto" else int(text)
+def add_tensor_parallel_arg(p) -> None:
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="split the target over this worker's first N devices (tensor "
+                        "parallel; the draft is copied to each); default 1")
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

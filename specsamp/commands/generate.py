@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specsamp.commands.common import (
-    add_model_args, add_sampling_args, print_json, spec_from, status,
+    add_model_args, add_sampling_args, add_tensor_parallel_arg, print_json, spec_from, status,
 )
 
 
@@ -16,6 +16,7 @@ def register(sub) -> None:
     p.add_argument("--stop-token-id", action="append", type=int, default=[],
                    help="stop token id besides the model's EOS (repeatable)")
     add_model_args(p)
+    add_tensor_parallel_arg(p)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -27,7 +28,7 @@ def run(args) -> int:
     from specsamp.generator import load_generator
 
     spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop),
-                     stop_token_ids=tuple(args.stop_token_id))
+                     stop_token_ids=tuple(args.stop_token_id), tensor_parallel=args.tensor_parallel)
     t0 = time.perf_counter()
     if not args.json:
         status(f"loading {spec.target or 'smollm2 (embedded default)'} with drafter {spec.draft} ...")

@@ -17,6 +17,7 @@ file and the layers below it, not the decoding loop.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from specsamp.models.llama import KVCache, ModelConfig, Transformer, init_cache
 @dataclasses.dataclass(frozen=True)
 class Model:
     cfg: ModelConfig
+    # A jax.sharding.Mesh (axis "tp", `specsamp.mesh`) to split the weights and cache
+    # over, or None: one device. Placement only; the computation is the same program.
+    mesh: Any = None
 
     def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
         """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
@@ -67,7 +71,7 @@ class Model:
 
     def first_layers(self, params, n_layers: int):
         """(Model, params) of this model's first `n_layers` layers (early exit)."""
-        return (Model(self.cfg.truncated(n_layers)),
+        return (Model(self.cfg.truncated(n_layers), self.mesh),
                 {**params, "layers": self.layer_params(params, slice(0, n_layers))})
 
     def param_shapes(self):
@@ -86,4 +90,35 @@ class Model:
         return total if self.cfg.tie_embeddings else total - nbytes(params["embed"])
 
     def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-        return init_cache(self.cfg, batch, slots, dtype)
+        return self.shard_cache(init_cache(self.cfg, batch, slots, dtype))
+
+    # Placement on the mesh (tensor parallel); identity without a mesh. The rules (and how
+    # uneven head counts are handled) are in `specsamp.models.sharding`.
+    def shard_params(self, params):
+        """`params` split over the mesh (quantized weights on the XLA path there)."""
+        if self.mesh is None:
+            return params
+        from specsamp.models.sharding import shard_params
+
+        return shard_params(self.cfg, params, self.mesh)
+
+    def param_shardings(self, params):
+        """The NamedSharding of each array of `params` (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        from specsamp.models.sharding import param_shardings
+
+        return param_shardings(self.cfg, params, self.mesh)
+
+    def cache_sharding(self):
+        """The KV cache's NamedSharding: split by KV heads (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        from specsamp.models.sharding import cache_sharding
+
+        return cache_sharding(self.cfg, self.mesh)
+
+    def shard_cache(self, cache: KVCache) -> KVCache:
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, self.cache_sharding())
