@@ -25,9 +25,10 @@ setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi
-  # The stamp skips a reinstall when pyproject.toml has not changed.
+  # The stamp skips a reinstall when neither the dependencies nor the native kernels changed.
   local stamp="$VENV/.specsamp-installed"
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+      || [ specsamp/quant/qkernels.cc -nt "$stamp" ]; then
     echo "dev.sh: installing specsamp and its dependencies into $VENV (about 1.8 GB, a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     # One short line per package as pip fetches it, instead of minutes of silence.
