@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines import commit
-from schemas import COMPLETIONS
+from schemas import COMPLETIONS, SCHEMA_VERSION
 from specsamp.cli import main
 from tests.pipeline_support import files, tiny_models, write_config, write_prompts
 
@@ -157,9 +157,11 @@ def _row(pid: str) -> dict:
     row.update(id=pid, prompt="p", completion="c", completion_token_ids=[1], prompt_tokens=1,
                generated_tokens=1, stop_reason="eos", dataset="d", mode="autoregressive", target="t",
                draft="none", k=0, temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
-               config_hash="0123456789abcdef", worker_host="h", device_kind="cpu", schema_version=1,
+               config_hash="0123456789abcdef", worker_host="h", device_kind="cpu",
+               schema_version=SCHEMA_VERSION,
                target_calls=1, draft_calls=0, accepted_per_loop=[], acceptance_rate=float("nan"),
-               tokens_per_call=1.0, prefill_s=0.1, decode_s=0.1, total_s=0.2, ms_per_token=100.0)
+               tokens_per_call=1.0, prefill_s=0.1, decode_s=0.1, total_s=0.2, ms_per_token=100.0,
+               compile_s=0.0)
     return row
 
 
