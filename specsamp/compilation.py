@@ -7,8 +7,8 @@ generator: a library user keeps control of JAX's global configuration.
 
 `compiled(fn, static, traced)` returns the executable of a `jax.jit` function for the
 shapes of its traced arguments, compiling it first if this process has not met those shapes (and the
-seconds that took). Executables are keyed on the static arguments and the shapes and
-dtypes of the traced ones only: values (weights, seeds, stop ids, round limits) never
+seconds that took). Executables are keyed on the static arguments and the shapes, dtypes
+and placement (a tensor-parallel mesh) of the traced ones only: values (weights, seeds, stop ids, round limits) never
 cause a compile.
 """
 
@@ -37,10 +37,11 @@ def enable_compilation_cache() -> None:
 
 
 def signature(args) -> tuple:
-    """The tree structure, shapes and dtypes of `args`: all a compiled program depends on."""
+    """The tree structure, shapes, dtypes and shardings (devices) of `args`: all a compiled
+    program depends on."""
     leaves, tree = jax.tree.flatten(args)
     return tree, tuple((np.shape(x), np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x),
-                        getattr(x, "weak_type", False)) for x in leaves)
+                        getattr(x, "weak_type", False), getattr(x, "sharding", None)) for x in leaves)
 
 
 def compiled(fn, static: dict, traced: dict) -> tuple[object, float]:

@@ -127,7 +127,7 @@ def pipeline() -> dict:
 
     root = tempfile.mkdtemp(prefix="specsamp-tp-")
     target, draft = tiny_models(os.path.join(root, "models"))
-    write_prompts(os.path.join(root, "prompts"))
+    expected = write_prompts(os.path.join(root, "prompts"))
     config = write_config(os.path.join(root, "run.yaml"), target, draft, tensor_parallel=2,
                           settings=[{"draft": draft, "k": 3}], batch_size=4)
     run(["--config", config, "--runner", "DirectRunner"])
@@ -139,7 +139,7 @@ def pipeline() -> dict:
                  for i, c in enumerate(gen.generate(GOOD, [0] * len(GOOD)))}
     return {"completions": {r["id"]: list(r["completion_token_ids"]) for r in done},
             "errors": sorted([r["id"], r["error_kind"]] for r in failed),
-            "one_device": reference}
+            "one_device": reference, "expected": expected}
 
 
 def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
@@ -154,7 +154,7 @@ def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
 
 
 if __name__ == "__main__":
-    from specsamp.engine import enable_compilation_cache
+    from specsamp.compilation import enable_compilation_cache
 
     enable_compilation_cache()
     assert len(jax.devices()) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
