@@ -27,7 +27,10 @@ _LOCK = threading.Lock()
 
 def enable_compilation_cache() -> None:
     """Reuse compiled programs across processes (tests, workers, repeated CLI runs), in
-    $SPECSAMP_JAX_CACHE or $SPECSAMP_CACHE/jax (default ~/.cache/specsamp/jax)."""
+    $SPECSAMP_JAX_CACHE or $SPECSAMP_CACHE/jax (default ~/.cache/specsamp/jax);
+    SPECSAMP_JAX_CACHE=off leaves the persistent cache off."""
+    if os.environ.get("SPECSAMP_JAX_CACHE") == "off":
+        return
     path = os.environ.get("SPECSAMP_JAX_CACHE") or os.path.join(
         os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp")), "jax"
     )
