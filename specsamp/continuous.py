@@ -267,8 +267,9 @@ class _Run:
         t0 = time.perf_counter()
         self.state = exe(**traced)
         jax.block_until_ready(self.state.length)
-        self.owner.prefill_s += time.perf_counter() - t0
-        share = (time.perf_counter() - t0) / len(take)
+        seconds = time.perf_counter() - t0
+        self.owner.prefill_s += seconds
+        share = seconds / len(take)  # the rows' shares add up to the call's time
         for i in take:
             self.prefill_s[i] = share
 
