@@ -1,4 +1,5 @@
-"""Build of the native quantized-matmul kernels (specsamp/quant/qkernels.cc), and the shim
+"""Build of the native CPU kernels (quantized matmuls, specsamp/quant/qkernels.cc, and
+cache attention, specsamp/quant/attention.cc), and the shim
 for Beam's `--setup_file ./setup.py` (Dataflow workers install the project from an sdist
 built by it); all other metadata lives in pyproject.toml. TPU workers use the Dockerfile.
 
@@ -41,7 +42,7 @@ class OptionalBuildExt(build_ext):
 
 KERNELS = Extension(
     "specsamp.quant._qkernels",
-    sources=["specsamp/quant/qkernels.cc"],
+    sources=["specsamp/quant/qkernels.cc", "specsamp/quant/attention.cc"],
     language="c++",
     # Vector code is selected per function at run time (AVX-512 / AVX2 / portable), so
     # no -march flag: the library runs on any x86-64 (and builds elsewhere, portable).

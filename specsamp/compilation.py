@@ -10,10 +10,17 @@ shapes of its traced arguments, compiling it first if this process has not met t
 seconds that took). Executables are keyed on the static arguments and the shapes, dtypes
 and placement (a tensor-parallel mesh) of the traced ones only: values (weights, seeds, stop ids, round limits) never
 cause a compile.
+
+The executables kept are bounded (least recently used first out, $SPECSAMP_MAX_EXECUTABLES,
+default 48): each XLA:CPU executable holds memory mappings of its machine code, and a
+process may hold at most vm.max_map_count of them (65530 by default). A long-lived process
+that compiles many shapes (a pipeline worker, a test session) otherwise runs out, and XLA
+then fails inside the next compile (seen as a segmentation fault).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -21,8 +28,12 @@ import time
 import jax
 import numpy as np
 
-_EXECUTABLES: dict = {}
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
+
+
+def _limit() -> int:
+    return max(1, int(os.environ.get("SPECSAMP_MAX_EXECUTABLES", "48")))
 
 
 def enable_compilation_cache() -> None:
@@ -54,7 +65,28 @@ def compiled(fn, static: dict, traced: dict) -> tuple[object, float]:
     key = (fn, tuple(sorted(static.items())), signature(traced))
     with _LOCK:  # workers may share a process; compile each program once
         if key in _EXECUTABLES:
+            _EXECUTABLES.move_to_end(key)
             return _EXECUTABLES[key], 0.0
         t0 = time.perf_counter()
-        _EXECUTABLES[key] = fn.lower(**static, **traced).compile()
-        return _EXECUTABLES[key], time.perf_counter() - t0
+        exe = fn.lower(**static, **traced).compile()
+        _EXECUTABLES[key] = exe
+        while len(_EXECUTABLES) > _limit():
+            _EXECUTABLES.popitem(last=False)
+        return exe, time.perf_counter() - t0
+
+
+def forget_executables() -> None:
+    """Drop every executable this module keeps, and JAX's own caches of compiled
+    functions, so that their machine code can be unmapped (see the module docstring)."""
+    with _LOCK:
+        _EXECUTABLES.clear()
+    jax.clear_caches()
+
+
+def memory_mappings() -> int | None:
+    """How many memory mappings this process holds (Linux), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None

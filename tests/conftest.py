@@ -1,22 +1,43 @@
 """Shared fixtures. The real embedded model is loaded once per session (slow tests only).
 
-The persistent compilation cache is OFF for the session, in this process and (through the
-environment) in the subprocesses and pipeline workers tests start: in two full runs JAX
-segfaulted inside it (serialising, then deserialising, an executable of the real model with the
-native quantized kernels, at tests/test_real_model.py after the earlier tests). Within a
-process every program is still compiled once (`specsamp.compilation.compiled`). To be
-re-enabled once that crash is understood."""
+The persistent compilation cache is on for the whole session (and, through the
+environment, for the subprocesses and pipeline workers tests start), so a warm run reuses
+every compiled program.
 
-import os
+After each test module the compiled programs it made are dropped: each XLA:CPU executable
+keeps memory mappings of its machine code, and a session that kept all of them reached the
+kernel's limit (vm.max_map_count, 65530) near the end of the suite, where XLA then failed
+inside a compile with a segmentation fault. Programs needed again come back from the
+persistent cache. The summary line says how many mappings the process held at most."""
+
+import gc
 
 import pytest
 
-from specsamp.compilation import enable_compilation_cache
+from specsamp.compilation import enable_compilation_cache, forget_executables, memory_mappings
+
+_PEAK = {"maps": 0, "module": ""}
 
 
 def pytest_configure(config):
-    os.environ["SPECSAMP_JAX_CACHE"] = "off"
     enable_compilation_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs(request):
+    yield
+    maps = memory_mappings() or 0
+    if maps > _PEAK["maps"]:
+        _PEAK.update(maps=maps, module=request.module.__name__)
+    forget_executables()
+    gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _PEAK["maps"]:
+        terminalreporter.write_line(
+            f"memory mappings: at most {_PEAK['maps']} at the end of a module "
+            f"({_PEAK['module']}); the kernel's limit is vm.max_map_count")
 
 
 @pytest.fixture(scope="session")

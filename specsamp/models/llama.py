@@ -160,8 +160,10 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, positions, k_cache, v_cache):
-        """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written."""
+    def __call__(self, x, cos, sin, positions, k_cache, v_cache, layer=None):
+        """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written.
+        With `layer` (an index), the whole stacks [L, B, J, S, E] instead, written and read
+        in place at that layer by the native kernel (`specsamp.quant.kernels.attend`)."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -169,6 +171,12 @@ class Attention(nn.Module):
         k = Linear(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
         v = Linear(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if layer is not None:
+            from specsamp.quant.kernels import attend
+
+            out, k_cache, v_cache = attend(layer, q, k, v, positions, k_cache, v_cache, e**-0.5)
+            out = out.astype(x.dtype).reshape(b, t, h * e)
+            return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
         start = positions[:, 0]
         k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
@@ -197,23 +205,28 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions):
+    def __call__(self, x, layer_cache, cos, sin, positions, layer=None):
         k_cache, v_cache = layer_cache
         attn_out, k_cache, v_cache = Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x), cos, sin, positions, k_cache, v_cache
-        )
+            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x), cos, sin, positions, k_cache, v_cache,
+            layer)
         x = x + attn_out
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x))
         return x, (k_cache, v_cache)
 
 
-def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions):
+def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
+               attention: str = "xla"):
     """The layer stack of `module` (set up by `setup_decoder`) over x: (x, new cache).
 
     At init, Flax's nn.scan declares the stacked weights. At apply, a plain lax.scan over
     the layer index hands each layer a view of the stacked weights: a quantized weight on
     the native kernels keeps the whole stack and the index (the kernel reads the layer in
-    place), where a sliced operand would make XLA copy every layer's bytes each step."""
+    place), where a sliced operand would make XLA copy every layer's bytes each step.
+
+    attention "cpu": the whole cache is carried through the scan and each layer's native
+    kernel writes and reads it in place (XLA's scan over per-layer cache slices rewrites
+    the whole cache every step, and attends over every slot, used or not)."""
     if module.is_initializing():
         x, (k, v) = module.layers(x, (cache.k, cache.v), cos, sin, positions)
         return x, KVCache(k=k, v=v)
@@ -221,6 +234,17 @@ def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions):
 
     stacked = module.variables["params"]["layers"]
     block = Block(module.cfg, parent=None)  # a free module, applied to one layer at a time
+
+    if attention == "cpu":
+        def carried(carry, i):
+            x, k, v = carry
+            layer = jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)
+            x, (k, v) = block.apply({"params": layer}, x, (k, v), cos, sin, positions, i)
+            return (x, k, v), None
+
+        (x, k, v), _ = jax.lax.scan(carried, (x, cache.k, cache.v),
+                                    jnp.arange(cache.k.shape[0], dtype=jnp.int32))
+        return x, KVCache(k=k, v=v)
 
     def body(x, inputs):
         i, k, v = inputs
@@ -255,6 +279,7 @@ class Transformer(nn.Module):
     prefill, which needs no logits)."""
 
     cfg: ModelConfig
+    attention: str = "xla"  # or "cpu": the native cache-attention kernel (`run_layers`)
 
     def setup(self):
         setup_decoder(self)
@@ -262,7 +287,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
         x = self.embed(tokens)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, cache = run_layers(self, x, cache, cos, sin, positions)
+        x, cache = run_layers(self, x, cache, cos, sin, positions, self.attention)
         hidden = self.final_norm(x)
         out = self.logits(hidden) if head else hidden
         return out, cache

@@ -31,11 +31,22 @@ class Model:
     # A jax.sharding.Mesh (axis "tp", `specsamp.mesh`) to split the weights and cache
     # over, or None: one device. Placement only; the computation is the same program.
     mesh: Any = None
+    # How attention over the KV cache runs: "cpu", the native kernel (one CPU device, the
+    # kernels built; it reads only the slots a row has filled), or "xla". None: chosen.
+    attention: str | None = None
+
+    def __post_init__(self):
+        if self.attention is None:
+            object.__setattr__(self, "attention", default_attention(self.cfg, self.mesh))
+        if self.attention not in ("cpu", "xla"):
+            raise ValueError(f"attention must be 'cpu' or 'xla', not {self.attention!r}")
 
     def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
         """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
         the cache with this call's keys/values written at `positions`)."""
-        return Transformer(self.cfg).apply({"params": params}, tokens, positions, cache, head=head)
+        attention = self.attention if cache.k.dtype == jnp.float32 else "xla"
+        return Transformer(self.cfg, attention).apply(
+            {"params": params}, tokens, positions, cache, head=head)
 
     def full_forward(self, params, tokens, head: bool = True):
         """Teacher-forced pass over tokens [B, T] at positions 0..T-1 with a fresh cache."""
@@ -71,7 +82,7 @@ class Model:
 
     def first_layers(self, params, n_layers: int):
         """(Model, params) of this model's first `n_layers` layers (early exit)."""
-        return (Model(self.cfg.truncated(n_layers), self.mesh),
+        return (Model(self.cfg.truncated(n_layers), self.mesh, self.attention),
                 {**params, "layers": self.layer_params(params, slice(0, n_layers))})
 
     def param_shapes(self):
@@ -122,3 +133,15 @@ class Model:
         if self.mesh is None:
             return cache
         return jax.device_put(cache, self.cache_sharding())
+
+
+def default_attention(cfg: ModelConfig, mesh) -> str:
+    """'cpu' where the native attention kernel applies: a CPU backend with one device (the
+    decoding loop builds its models without the mesh, so a process with several devices
+    keeps XLA's attention, which shards), the kernels loaded (SPECSAMP_QUANT_BACKEND=xla
+    turns them off), a head width the kernel takes."""
+    from specsamp.quant import kernels
+
+    fits = cfg.head_dim <= 256
+    one = mesh is None and jax.device_count() == 1
+    return "cpu" if one and fits and kernels.default_backend() == "cpu" else "xla"

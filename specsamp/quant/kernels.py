@@ -1,4 +1,4 @@
-"""The native CPU kernels (qkernels.cc) as XLA FFI targets, and the choice of backend.
+"""The native CPU kernels (qkernels.cc, attention.cc) as XLA FFI targets, and the choice of backend.
 
 The shared library is built from source by the package's install (`pip install -e .`, or
 `python setup.py build_ext --inplace`) with the machine's C++ compiler and the FFI headers
@@ -16,10 +16,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _LOCK = threading.Lock()
 _STATE: dict = {}
-_TARGETS = {"specsamp_q4_matmul": "SpecsampQ4Matmul", "specsamp_q8_matmul": "SpecsampQ8Matmul"}
+_TARGETS = {"specsamp_q4_matmul": "SpecsampQ4Matmul", "specsamp_q8_matmul": "SpecsampQ8Matmul",
+            "specsamp_attend": "SpecsampAttend"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -100,3 +102,18 @@ def qmatmul(x: jax.Array, w) -> jax.Array:
     else:
         y = jax.ffi.ffi_call("specsamp_q8_matmul", out)(layer, x2, codes, scale)
     return y.reshape(*lead, w.rows)
+
+
+def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float):
+    """One layer's cache write and attention on the kernel (attention.cc).
+
+    q [B, T, H, E], k/v [B, T, J, E] (this call's, rotated), positions [B, T], caches
+    [L, B, J, S, E] float32. Returns (out [B, T, H, E], k_cache, v_cache) with this call's
+    keys/values written at layer `layer`; the caches are updated in place (aliased)."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    cache = jax.ShapeDtypeStruct(k_cache.shape, jnp.float32)
+    call = jax.ffi.ffi_call("specsamp_attend", (out, cache, cache),
+                            input_output_aliases={5: 1, 6: 2})
+    return call(jnp.asarray(layer, jnp.int32), q.astype(jnp.float32), k.astype(jnp.float32),
+                v.astype(jnp.float32), positions.astype(jnp.int32), k_cache, v_cache,
+                scale=np.float32(scale))

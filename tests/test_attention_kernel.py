@@ -1,0 +1,109 @@
+"""The native cache-attention kernel (specsamp/quant/attention.cc) against XLA's attention:
+the same numbers up to float rounding, the cache written in place at each row's positions,
+slots beyond a row's position never read, and each query row computed alike whatever the
+number of tokens in the call (what makes scoring K+1 tokens equal K+1 single steps)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specsamp.models.llama import ModelConfig, init_params
+from specsamp.models.model import Model
+from specsamp.quant import kernels
+
+CFG = ModelConfig(vocab_size=32, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2,
+                  head_dim=24, d_ff=64, max_seq_len=64)  # head width not a multiple of 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    error = kernels.load()
+    if error:
+        pytest.skip(error)
+
+
+def _attend(layer, q, k, v, pos, kc, vc, scale):
+    return jax.jit(kernels.attend, static_argnums=7)(layer, q, k, v, pos, kc, vc, scale)
+
+
+def _decode(model, params, rows):
+    """Prefill each row's prompt (different lengths: rows sit at different positions),
+    then three single-token steps; returns the logits of every call and the final cache."""
+    forward = jax.jit(model.forward)
+    cache, outs = model.init_cache(len(rows), 32), []
+    t = max(len(r) for r in rows)
+    tokens = jnp.asarray([r + [0] * (t - len(r)) for r in rows], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    logits, cache = forward(params, tokens, positions, cache)
+    outs.append(logits)
+    nxt = jnp.asarray([len(r) for r in rows], jnp.int32)[:, None]
+    for step in range(3):
+        logits, cache = forward(params, jnp.full_like(nxt, step + 1), nxt + step, cache)
+        outs.append(logits)
+    return outs, cache
+
+
+def test_model_logits_match_xla_attention():
+    """Catches a wrong kernel (softmax, masking, head grouping, cache offsets): the whole
+    model with the kernel gives XLA's logits on rows at different positions."""
+    params = init_params(CFG, seed=3)
+    rows = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [4, 4, 4, 4, 4]]
+    got, got_cache = _decode(Model(CFG, attention="cpu"), params, rows)
+    want, want_cache = _decode(Model(CFG, attention="xla"), params, rows)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    for name in ("k", "v"):  # the same slots written with the same values
+        np.testing.assert_allclose(np.asarray(getattr(got_cache, name)),
+                                   np.asarray(getattr(want_cache, name)), rtol=2e-5, atol=2e-5)
+
+
+def _inputs(b, t, h=6, j=2, e=24, layers=3, slots=32, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, h, e))
+    k = jax.random.normal(ks[1], (b, t, j, e))
+    v = jax.random.normal(ks[2], (b, t, j, e))
+    kc = jax.random.normal(ks[3], (layers, b, j, slots, e))
+    vc = jax.random.normal(ks[4], (layers, b, j, slots, e))
+    return q, k, v, kc, vc
+
+
+def test_rows_alike_whatever_the_token_count():
+    """Catches a kernel whose numbers depend on T (vector tails, shared partial sums):
+    four tokens in one call give bit for bit the outputs of four one-token calls."""
+    q, k, v, kc, vc = _inputs(2, 4)
+    start = jnp.asarray([[5], [11]], jnp.int32)
+    pos = start + jnp.arange(4, dtype=jnp.int32)
+    out, k4, v4 = _attend(1, q, k, v, pos, kc, vc, 0.2)
+    kc1, vc1, outs = kc, vc, []
+    for i in range(4):
+        o, kc1, vc1 = _attend(1, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], pos[:, i:i + 1],
+                              kc1, vc1, 0.2)
+        outs.append(o)
+    assert np.array_equal(np.asarray(out), np.asarray(jnp.concatenate(outs, axis=1)))
+    assert np.array_equal(np.asarray(k4), np.asarray(kc1))
+    assert np.array_equal(np.asarray(v4), np.asarray(vc1))
+
+
+def test_writes_in_place_and_ignores_later_slots():
+    """Catches writes at the wrong layer/slot and reads past a row's position: slots after
+    the position hold NaN and must not reach the output; other layers are untouched."""
+    q, k, v, kc, vc = _inputs(2, 2, seed=1)
+    pos = jnp.asarray([[3, 4], [20, 21]], jnp.int32)
+    slot = jnp.arange(32)[None, None, None, :, None]
+    poison = slot > jnp.asarray([4, 21])[None, :, None, None, None]
+    kc, vc = jnp.where(poison, jnp.nan, kc), jnp.where(poison, jnp.nan, vc)
+    out, k2, v2 = _attend(2, q, k, v, pos, kc, vc, 0.2)
+    assert np.isfinite(np.asarray(out)).all()
+    k2 = np.asarray(k2)
+    for b in range(2):
+        for i in range(2):
+            np.testing.assert_array_equal(k2[2, b, :, int(pos[b, i])], np.asarray(k[b, i]))
+    np.testing.assert_array_equal(k2[:2], np.asarray(kc)[:2])
+    # a plain numpy reference of the attention for one row and head
+    b, t, h, j = 1, 1, 4, 4 // 3
+    keys = k2[2, b, j, : int(pos[b, t]) + 1]
+    vals = np.asarray(v2)[2, b, j, : int(pos[b, t]) + 1]
+    s = keys @ (np.asarray(q)[b, t, h] * 0.2)
+    w = np.exp(s - s.max())
+    np.testing.assert_allclose(np.asarray(out)[b, t, h], (w / w.sum()) @ vals, rtol=1e-5, atol=1e-6)
