@@ -2,7 +2,7 @@
 
 Read back from the written tables (not from Beam counters), so it is the same whichever
 runner ran the job, and it covers resumed runs as a whole; error rows superseded by a
-retried sample's completion are not counted (`specsamp.outputs.live`).
+retried sample's completion are not counted (`specsamp.analysis.outputs.live`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import collections
 import dataclasses
 import math
 
-from specsamp import storage
-from specsamp.outputs import live
+from specsamp.analysis.outputs import live
+from specsamp.loading.fs import filesystem, glob, join
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]
 _COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop",
@@ -44,8 +44,8 @@ class Summary:
         width = max([5] + [len(s.draft) for s in self.settings])
         lines = [
             f"tables in {self.output} (this run: {self.this_run} samples):",
-            f"  {storage.join(self.output, 'completions-*.parquet')}  {self.completions} rows",
-            f"  {storage.join(self.output, 'errors-*.parquet')}  {self.errors} rows"
+            f"  {join(self.output, 'completions-*.parquet')}  {self.completions} rows",
+            f"  {join(self.output, 'errors-*.parquet')}  {self.errors} rows"
             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))})" if self.errors else ""),
             *([f"{self.errors} samples failed ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))}); "
                "the error table's 'error' column says why; --retry-errors [KIND,...] attempts them again"]
@@ -92,8 +92,8 @@ def _read(output: str, table: str, columns: list[str]) -> list[dict]:
     import pyarrow.parquet as pq
 
     out = []
-    for path in storage.glob(storage.join(output, f"{table}-*.parquet")):
-        fs, stripped = storage.filesystem(path)
+    for path in glob(join(output, f"{table}-*.parquet")):
+        fs, stripped = filesystem(path)
         out += pq.read_table(stripped, columns=columns, filesystem=fs).to_pylist()
     return out
 

@@ -14,10 +14,10 @@ import sys
 import jax
 import numpy as np
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import ModelDrafter
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import ModelDrafter
+from specsamp.decoding.engine import Engine
 from specsamp.mesh import make_mesh
 from specsamp.models import Model
 from specsamp.models.sharding import replicate_params
@@ -102,7 +102,7 @@ def sampled(n_samples: int = 16_000) -> dict:
 
 def collectives() -> dict:
     """The collectives in the compiled decode program of the split target, per n."""
-    from specsamp.decode import decode, new_state, prefill
+    from specsamp.decoding.decode import decode, new_state, prefill
 
     out = {}
     for n in (2, 8):
@@ -122,7 +122,7 @@ def pipeline() -> dict:
     import tempfile
 
     from pipelines.generate import run
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from tests.pipeline_support import GOOD, read, tiny_models, write_config, write_prompts
 
     root = tempfile.mkdtemp(prefix="specsamp-tp-")

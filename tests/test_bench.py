@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from specsamp.bench import Timing, expected_tokens, measured_prediction, predicted_speedup, run_bench
-from specsamp.config import SamplingParams
-from specsamp.results import Completion
+from specsamp.analysis.bench import Timing, expected_tokens, measured_prediction, predicted_speedup, run_bench
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.results import Completion
 
 
 def _completion(tokens, calls, accepted, draft_calls, k):
@@ -36,7 +36,7 @@ def test_paper_cost_model():
 
 
 def test_run_bench_on_a_tiny_model(tmp_path):
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.testing import make_tiny_checkpoint
 
     target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
@@ -60,7 +60,7 @@ def test_traffic_fields_and_step_bytes():
     import jax
     import jax.numpy as jnp
 
-    from specsamp.bench import add_traffic, traffic_line
+    from specsamp.analysis.bench import add_traffic, traffic_line
     from specsamp.models import Model, ModelConfig
     from specsamp.models.llama import init_params
 

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import ModelDrafter
+from specsamp.decoding.engine import Engine
 from specsamp.distill import data as data_mod
 from specsamp.distill import draft as draft_mod
 from specsamp.distill import train as train_mod
 from specsamp.distill.config import load_config
-from specsamp.drafters import ModelDrafter
-from specsamp.engine import Engine
 from specsamp.errors import UserError
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -110,7 +110,7 @@ def _tiny_tokenizer():
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    from specsamp.tokenizer import Tokenizer, TokenizerMeta
+    from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta
 
     tk = HFTokenizer(WordLevel({c: i for i, c in enumerate("abcdefgh")}, unk_token="a"))
     tk.pre_tokenizer = Whitespace()

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.decoding.engine import Engine
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
 
@@ -28,7 +28,7 @@ N_TOKENS = 3
 
 def exact_joint(sp: SamplingParams) -> np.ndarray:
     """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes."""
-    from specsamp.sampling import probs_from_logits
+    from specsamp.decoding.sampling import probs_from_logits
 
     v = tiny.TARGET.vocab_size
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(v), repeat=N_TOKENS)])

@@ -7,12 +7,12 @@ import types
 
 import numpy as np
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import FeatureDrafter
+from specsamp.decoding.engine import Engine
 from specsamp.distill import data as data_mod
 from specsamp.distill.feature import FeatureTrainConfig, train_feature_draft
-from specsamp.drafters import FeatureDrafter
-from specsamp.engine import Engine
 from tests import tiny
 
 T, V = 32, tiny.TARGET.vocab_size

@@ -4,11 +4,11 @@ token-for-token the autoregressive output, with every drafter (slow: real weight
 import jax
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.drafts import resolve
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.decoding.drafts import resolve
+from specsamp.decoding.engine import Engine
 from specsamp.models.feature_draft import load_feature_draft
 
 pytestmark = pytest.mark.slow

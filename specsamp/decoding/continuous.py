@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
-from specsamp.decode import Program, _ar_round, _spec_round, new_state, prefill
-from specsamp.engine import Engine, RawSample, prompt_bucket
-from specsamp.rounds import from_log
-from specsamp.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
+from specsamp.decoding.decode import Program, _ar_round, _spec_round, new_state, prefill
+from specsamp.decoding.engine import Engine, RawSample, prompt_bucket
+from specsamp.decoding.rounds import from_log
+from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class ContinuousEngine:
 
     ks: the K values it may switch between per chunk (0: plain rounds), default the
     program's own K; `policy(accepted, tested)` picks an index into ks from the running
-    rows' accepted and tested draft tokens (`specsamp.kpolicy.KPolicy`).
+    rows' accepted and tested draft tokens (`specsamp.decoding.kpolicy.KPolicy`).
     """
 
     engine: Engine

@@ -14,17 +14,17 @@ from typing import Callable, Sequence
 
 import jax
 
-from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
-from specsamp.kpolicy import AUTO_KS, K_AUTO
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.drafts import default_draft
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.decoding.drafts import default_draft
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.kpolicy import AUTO_KS, K_AUTO
+from specsamp.decoding.results import Completion
 from specsamp.errors import UserError
 from specsamp.mesh import check_tensor_parallel, make_mesh
 from specsamp.models import Model
 from specsamp.models.sharding import replicate_params
-from specsamp.results import Completion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class GeneratorSpec:
     file or a Hugging Face folder. draft: 'none' (plain autoregressive sampling, the
     baseline), 'ngram' (prompt lookup, 'ngram:N' for n-grams up to N), 'early-exit:L' (the
     target's first L layers), a path to a draft model sharing the target's vocabulary or to
-    a feature draft (or a shipped draft's name, `specsamp.drafts`), 'ngram+<feature draft>'
+    a feature draft (or a shipped draft's name, `specsamp.decoding.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
     weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
     `specsamp.loading`), for the target and a separate draft model alike.
@@ -52,7 +52,7 @@ class GeneratorSpec:
     stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
     weights: str = "stored"
-    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.continuous`),
+    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.decoding.continuous`),
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
     tensor_parallel: int = 1
@@ -209,8 +209,8 @@ class Generator:
         return [self._to_completion(r) for r in raws]
 
     def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
-        from specsamp.continuous import ContinuousEngine
-        from specsamp.kpolicy import auto_policy
+        from specsamp.decoding.continuous import ContinuousEngine
+        from specsamp.decoding.kpolicy import auto_policy
 
         ids = [self.encode_prompt(p) for p in prompts]
         if self._continuous is None:
@@ -267,7 +267,7 @@ class Generator:
         """Measured draft step time / target step time on this machine (0 for n-gram,
         NaN for the baseline). Measured once, lazily."""
         if self._cost_ratio is None:
-            from specsamp.costs import measure_cost_ratio
+            from specsamp.decoding.costs import measure_cost_ratio
 
             self._cost_ratio = measure_cost_ratio(self.engine) if self.drafter else math.nan
         return self._cost_ratio

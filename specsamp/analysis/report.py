@@ -1,6 +1,6 @@
 """Latency, acceptance and speed-up per group of completions (`specsamp report`).
 
-All aggregation is SQL over the DuckDB views of `specsamp.outputs`; Python only pairs
+All aggregation is SQL over the DuckDB views of `specsamp.analysis.outputs`; Python only pairs
 groups and applies two formulas:
 
 - Speed-up of a speculative group = mean ms/token of its autoregressive baseline / its own

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from specsamp.continuous import ContinuousEngine
-from specsamp.kpolicy import AUTO_KS, auto_policy
+from specsamp.decoding.continuous import ContinuousEngine
+from specsamp.decoding.kpolicy import AUTO_KS, auto_policy
 
 AUTO = "auto"
 

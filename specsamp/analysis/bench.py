@@ -22,7 +22,7 @@ import math
 import statistics
 from typing import Callable, Sequence
 
-from specsamp.config import SamplingParams
+from specsamp.decoding.config import SamplingParams
 
 HUMANEVAL_CHAT = "Complete the following Python function.\n\n```python\n{prompt}```"
 
@@ -127,7 +127,7 @@ def run_bench(
 
 
 def _row(k, sp, ar_ms, timings, gen) -> dict:
-    from specsamp.costs import scoring_ratio
+    from specsamp.decoding.costs import scoring_ratio
 
     spec_ms = statistics.median(t.ms_per_token for t in timings)
     t = timings[0]

@@ -11,7 +11,7 @@ class Completion:
     """One generated sample and its per-sample statistics.
 
     Statistics describe exactly the emitted tokens (`token_ids`): when a stop string ends
-    the sample, the rounds the loop ran past it are cut away (`specsamp.rounds`).
+    the sample, the rounds the loop ran past it are cut away (`specsamp.decoding.rounds`).
 
     Timing: `prefill_s` and `decode_s` are wall-clock seconds of already compiled programs
     (compilation is timed apart, in `compile_s`). `prefill_s` is the batch's prefill;

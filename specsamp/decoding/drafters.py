@@ -26,11 +26,11 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from specsamp.config import SamplingParams
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.sampling import probs_from_logits, sample
+from specsamp.decoding.state import RUNNING, DecodeState, gather_window, prefix_positions
 from specsamp.models import Model, ModelConfig
 from specsamp.models.feature_draft import FeatureModel
-from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import RUNNING, DecodeState, gather_window, prefix_positions
 
 
 class Proposal(NamedTuple):

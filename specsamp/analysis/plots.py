@@ -18,7 +18,7 @@ import math
 import os
 import re
 
-from specsamp import report
+from specsamp.analysis import report
 
 _DPI = 150
 
