@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from specsamp.decoding.costs import CostCurve
-from specsamp.decoding.kpolicy import KPolicy, expected_tokens
+from specsamp.decoding.kpolicy import KPolicy
+from specsamp.decoding.stats import expected_tokens
 
 KS = (0, 1, 2, 4)
 

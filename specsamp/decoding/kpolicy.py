@@ -23,11 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from specsamp.decoding.costs import CostCurve
-
-
-def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
-    """E[tokens per round] = 1 + a + ... + a^K for each row's a."""
-    return np.sum(alpha[:, None] ** np.arange(k + 1)[None, :], axis=1)
+from specsamp.decoding.stats import expected_tokens
 
 
 @dataclasses.dataclass
