@@ -12,7 +12,6 @@ import pytest
 
 from specsamp.decoding.config import SamplingParams, parse_draft
 from specsamp.decoding.decode import Program
-from specsamp.decoding.drafters import FeatureDrafter
 from specsamp.decoding.drafts import default_draft, resolve
 from specsamp.decoding.engine import Engine
 from specsamp.errors import UserError
@@ -23,9 +22,10 @@ from tests import tiny
 
 def test_k1_acceptance_matches_teacher_forced_draft():
     sp = SamplingParams(0.0)
-    cfg, dparams = tiny.feature_draft()
+    drafter, dparams = tiny.drafter("tiny-feature", 1, sp)
+    cfg = drafter.cfg
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    engine = Engine(Program(tiny.TARGET, sp, FeatureDrafter(cfg, 1, sp)), tiny.target_params(),
+    engine = Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(),
                     dparams, eos_ids=(), max_new_tokens=20)
     [r] = engine.run([prompt], [0])
     seq = jnp.asarray([prompt + list(r.token_ids)])
