@@ -18,6 +18,6 @@ RUN pip install --no-cache-dir . "jax[tpu]==0.10.2"
 # Bake the embedded default model and the compilation cache location into the image, so
 # workers neither download at start nor recompile what an earlier worker compiled.
 ENV SPECSAMP_CACHE=/opt/specsamp/cache
-RUN python -c "from specsamp.download import ensure_smollm2; ensure_smollm2()"
+RUN python -c "from specsamp.loading.download import ensure_smollm2; ensure_smollm2()"
 
 # The base image's entrypoint (/opt/apache/beam/boot) starts the SDK harness; keep it.

@@ -19,8 +19,8 @@ import uuid
 
 import apache_beam as beam
 
-from specsamp import storage
 from specsamp.errors import UserError
+from specsamp.loading.fs import filesystem, join
 
 TEMP_MARK = ".tmp-"
 
@@ -43,7 +43,7 @@ def write_shard(folder: str, table: str, rows: list[dict], schema) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = storage.join(folder, shard_name(table, rows[0]["config_hash"], map(row_key, rows)))
+    path = join(folder, shard_name(table, rows[0]["config_hash"], map(row_key, rows)))
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf, compression="snappy",
                    use_compliant_nested_type=True)
@@ -60,7 +60,7 @@ def write_shard(folder: str, table: str, rows: list[dict], schema) -> str:
 
 def _put(path: str, data: bytes) -> None:
     if "://" in path and not path.startswith("file://"):
-        fs, stripped = storage.filesystem(path)
+        fs, stripped = filesystem(path)
         fs.pipe_file(stripped, data)  # one upload: the object is visible whole or not at all
         return
     path = path.removeprefix("file://")

@@ -13,7 +13,7 @@ def context_length(target: str) -> int | None:
     remote), or None when it cannot be told here (the worker then reports the load error)."""
     try:
         if target == "smollm2":
-            from specsamp.download import ensure_smollm2
+            from specsamp.loading.download import ensure_smollm2
 
             return _gguf_context(ensure_smollm2(log=_status))
         kind = fs.kind_of(target)
@@ -36,10 +36,8 @@ def _gguf_context(path: str) -> int | None:
 
 
 def _hf_context(folder: str) -> int:
-    import fsspec
-
-    with fsspec.open(f"{folder.rstrip('/')}/config.json", "r") as f:
-        return int(json.load(f).get("max_position_embeddings", 8192))  # the loader's default
+    config = json.loads(fs.read_text(fs.join(folder, "config.json")))
+    return int(config.get("max_position_embeddings", 8192))  # the loader's default
 
 
 def _status(msg: str) -> None:

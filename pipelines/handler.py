@@ -21,6 +21,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines import rows
 from pipelines.rows import Example, RunInfo
+from specsamp.decoding import stats
 from specsamp.errors import UserError
 from specsamp.runconfig import RunConfig, Setting
 
@@ -185,9 +186,10 @@ def count_row(tag: str, row: dict) -> None:
     Metrics.counter(NAMESPACE, "generated_tokens").inc(row["generated_tokens"])
     Metrics.counter(NAMESPACE, "target_calls").inc(row["target_calls"])
     if row["mode"] == "speculative":
-        Metrics.counter(NAMESPACE, "accepted_tokens").inc(sum(row["accepted_per_loop"]))
+        accepted, drafted, _ = stats.loop_counts(row["accepted_per_loop"], row["k"])
+        Metrics.counter(NAMESPACE, "accepted_tokens").inc(accepted)
         if row["k"] > 0:  # k auto (-1) drafts a K chosen per round
-            Metrics.counter(NAMESPACE, "drafted_tokens").inc(row["k"] * len(row["accepted_per_loop"]))
+            Metrics.counter(NAMESPACE, "drafted_tokens").inc(drafted)
 
 
 def _resolve(loader: str):

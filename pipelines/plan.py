@@ -18,8 +18,9 @@ from pipelines.commit import remove_stale_temps
 from pipelines.read import placeholder_id, read_ids
 from pipelines.rows import RunInfo
 from schemas import COMPLETIONS, ERRORS, SchemaMismatch, check_schema
-from specsamp import prompts, storage
+from specsamp import prompts
 from specsamp.errors import UserError
+from specsamp.loading.fs import ensure_dir, filesystem, glob, join
 from specsamp.runconfig import RunConfig, Setting
 
 _ID_TYPES = (pa.string(), pa.large_string())
@@ -56,7 +57,7 @@ def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = N
     if dry_run:
         info = RunInfo.of(cfg, run_id, prompts.dataset_name(cfg.input))
         return Plan(cfg, (cfg.input,), info, None, frozenset(), 0, 0)
-    files = storage.glob(cfg.input)
+    files = glob(cfg.input)
     if not files:
         raise UserError(f"no input files match {cfg.input}")
     ids, unreadable = _check_inputs(files)
@@ -77,9 +78,9 @@ def resolve_input(cfg: RunConfig, prepare: bool = True) -> RunConfig:
     name = cfg.builtin_input
     if name is None:
         return cfg
-    folder = storage.join(cfg.output, "prompts")
-    pattern = storage.join(folder, f"{name}-*.parquet")
-    if prepare and not storage.glob(pattern):
+    folder = join(cfg.output, "prompts")
+    pattern = join(folder, f"{name}-*.parquet")
+    if prepare and not glob(pattern):
         table = prompts.humaneval() if name == "humaneval" else prompts.xsum()
         prompts.write_shards(table, folder, shard_size=1000, prefix=name)
     return cfg.with_overrides(input=pattern)
@@ -95,7 +96,7 @@ def _check_inputs(files: list[str]) -> tuple[list[str], list[str]]:
 
     ids, unreadable, reasons = [], [], []
     for path in files:
-        fs, stripped = storage.filesystem(path)
+        fs, stripped = filesystem(path)
         try:
             _check_prompt_schema(pq.read_schema(stripped, filesystem=fs), path)
             ids += read_ids(path)
@@ -128,13 +129,13 @@ def _scan_output(cfg: RunConfig, retry: frozenset | None) -> tuple[frozenset, fr
     when `retry` is empty) is not done, unless a completion already supersedes it."""
     import pyarrow.parquet as pq
 
-    storage.ensure_dir(cfg.output)
+    ensure_dir(cfg.output)
     remove_stale_temps(cfg.output)
     found, want = {}, cfg.config_hash()
     for table, schema in zip(TABLES, (COMPLETIONS, ERRORS)):
         columns = ["id", "draft", "k", "config_hash"] + (["error_kind"] if table == "errors" else [])
-        for path in storage.glob(storage.join(cfg.output, f"{table}-*.parquet")):
-            fs, stripped = storage.filesystem(path)
+        for path in glob(join(cfg.output, f"{table}-*.parquet")):
+            fs, stripped = filesystem(path)
             try:
                 check_schema(pq.read_schema(stripped, filesystem=fs), schema, what=path)
                 got = pq.read_table(stripped, columns=columns, filesystem=fs)

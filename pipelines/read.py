@@ -14,7 +14,7 @@ import dataclasses
 
 import pyarrow as pa
 
-from specsamp import storage
+from specsamp.loading.fs import filesystem
 
 _TEXT = (pa.string(), pa.large_string())
 
@@ -47,7 +47,7 @@ def read_prompt_file(path: str):
 def _read(path: str, columns=None) -> pa.Table:
     import pyarrow.parquet as pq
 
-    fs, stripped = storage.filesystem(path)
+    fs, stripped = filesystem(path)
     if "://" in path and not path.startswith("file://"):
         # Whole-file reads: prompt shards are small, and fsspec's prefetcher leaves tasks behind.
         table = pq.read_table(pa.BufferReader(fs.cat_file(stripped)), columns=columns)

@@ -2,7 +2,7 @@
 
 Read back from the written tables (not from Beam counters), so it is the same whichever
 runner ran the job, and it covers resumed runs as a whole; error rows superseded by a
-retried sample's completion are not counted (`specsamp.outputs.live`).
+retried sample's completion are not counted (`specsamp.analysis.outputs.live`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import collections
 import dataclasses
 import math
 
-from specsamp import storage
-from specsamp.outputs import live
+from specsamp.analysis.outputs import live
+from specsamp.decoding import stats
+from specsamp.loading.fs import filesystem, glob, join
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]
 _COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop",
@@ -44,8 +45,8 @@ class Summary:
         width = max([5] + [len(s.draft) for s in self.settings])
         lines = [
             f"tables in {self.output} (this run: {self.this_run} samples):",
-            f"  {storage.join(self.output, 'completions-*.parquet')}  {self.completions} rows",
-            f"  {storage.join(self.output, 'errors-*.parquet')}  {self.errors} rows"
+            f"  {join(self.output, 'completions-*.parquet')}  {self.completions} rows",
+            f"  {join(self.output, 'errors-*.parquet')}  {self.errors} rows"
             + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))})" if self.errors else ""),
             *([f"{self.errors} samples failed ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))}); "
                "the error table's 'error' column says why; --retry-errors [KIND,...] attempts them again"]
@@ -57,7 +58,7 @@ class Summary:
         for s in self.settings:
             lines.append(f"{s.mode:15s} {s.draft:>{width}s} {s.k:2d} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
                          f"{_fmt(s.tokens_per_call, 8, 2)} {_fmt(s.ms_per_token, 9, 1)} "
-                         f"{_fmt(_ratio(base, s.ms_per_token), 8, 2, 'x')}")
+                         f"{_fmt(stats.speedup(base, s.ms_per_token), 8, 2, 'x')}")
         if not math.isnan(base):
             lines.append("speed-up: baseline mean ms/token over the setting's, means over samples "
                          "as in specsamp report (which adds intervals, percentiles, per-dataset groups)")
@@ -72,34 +73,31 @@ def summarize(output: str, this_run: int = 0) -> Summary:
     groups = collections.defaultdict(list)
     for row in completions:
         groups[(row["mode"], row["draft"], row["k"])].append(row)
-    stats = tuple(_stats(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2])))
+    settings = tuple(_stats(key, rs) for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2])))
     kinds = collections.Counter(r["error_kind"] for r in errors)
-    return Summary(output, len(completions), len(errors), this_run, stats, dict(kinds))
+    return Summary(output, len(completions), len(errors), this_run, settings, dict(kinds))
 
 
 def _stats(key, rs: list[dict]) -> SettingStats:
     mode, draft, k = key
     tokens = sum(r["generated_tokens"] for r in rs)
     calls = sum(r["target_calls"] for r in rs)
-    accepted = sum(sum(r["accepted_per_loop"]) for r in rs)
-    drafted = sum(k * len(r["accepted_per_loop"]) for r in rs)
+    counts = [stats.loop_counts(r["accepted_per_loop"], k) for r in rs]
+    accepted, drafted = sum(c[0] for c in counts), sum(c[1] for c in counts)
     ms = [r["ms_per_token"] for r in rs if r["ms_per_token"] is not None and not math.isnan(r["ms_per_token"])]
-    return SettingStats(mode, draft, k, len(rs), _ratio(accepted, drafted), _ratio(tokens, calls),
-                        _ratio(sum(ms), len(ms)), sum(r["compile_s"] for r in rs))
+    return SettingStats(mode, draft, k, len(rs), stats.acceptance_rate(accepted, drafted),
+                        stats.tokens_per_call(tokens, calls), stats.ratio(sum(ms), len(ms)),
+                        sum(r["compile_s"] for r in rs))
 
 
 def _read(output: str, table: str, columns: list[str]) -> list[dict]:
     import pyarrow.parquet as pq
 
     out = []
-    for path in storage.glob(storage.join(output, f"{table}-*.parquet")):
-        fs, stripped = storage.filesystem(path)
+    for path in glob(join(output, f"{table}-*.parquet")):
+        fs, stripped = filesystem(path)
         out += pq.read_table(stripped, columns=columns, filesystem=fs).to_pylist()
     return out
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
 
 
 def _fmt(x: float, width: int, digits: int, unit: str = "") -> str:

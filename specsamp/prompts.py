@@ -12,8 +12,8 @@ import os
 
 import pyarrow as pa
 
-from specsamp import storage
 from specsamp.errors import UserError
+from specsamp.loading.fs import ensure_dir, filesystem, glob, join
 
 # How an XSum article becomes a prompt; a custom template must contain "{document}".
 # Whether the chat template is applied on top is the run config's `chat` setting.
@@ -82,7 +82,7 @@ def read_table(path: str) -> pa.Table:
     ext = os.path.splitext(path)[1].lower()
     if ext not in readers:
         raise UserError(f"{path}: unknown file type {ext!r}; use one of {sorted(readers)}")
-    fs, stripped = storage.filesystem(path)
+    fs, stripped = filesystem(path)
     if not fs.exists(stripped):
         raise UserError(f"input file not found: {path}")
     try:
@@ -100,18 +100,18 @@ def write_shards(table: pa.Table, out_dir: str, shard_size: int = 1000,
     if not isinstance(shard_size, int) or shard_size < 1:
         raise UserError(f"shard size must be an integer >= 1, got {shard_size!r}")
     check_ids(table.column("id").to_pylist())
-    storage.ensure_dir(out_dir)
-    old = storage.glob(storage.join(out_dir, f"{prefix}-*.parquet"))
+    ensure_dir(out_dir)
+    old = glob(join(out_dir, f"{prefix}-*.parquet"))
     if old and not overwrite:
         raise UserError(f"{out_dir} already holds {len(old)} {prefix}-*.parquet shard(s); choose another folder or pass --overwrite")
-    fs, _ = storage.filesystem(out_dir)
+    fs, _ = filesystem(out_dir)
     for path in old:
-        fs.rm(storage.filesystem(path)[1])
+        fs.rm(filesystem(path)[1])
     n = max(1, math.ceil(len(table) / shard_size))
     paths = []
     for i in range(n):
-        path = storage.join(out_dir, f"{prefix}-{i:05d}-of-{n:05d}.parquet")
-        pq.write_table(table.slice(i * shard_size, shard_size), storage.filesystem(path)[1], filesystem=fs)
+        path = join(out_dir, f"{prefix}-{i:05d}-of-{n:05d}.parquet")
+        pq.write_table(table.slice(i * shard_size, shard_size), filesystem(path)[1], filesystem=fs)
         paths.append(path)
     return paths
 

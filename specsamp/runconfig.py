@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 
-from specsamp.config import DRAFT_FORMS, SamplingParams, check_k, parse_draft
+from specsamp.decoding.config import DRAFT_FORMS, SamplingParams, check_k, parse_draft
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly

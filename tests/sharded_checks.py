@@ -14,13 +14,11 @@ import sys
 import jax
 import numpy as np
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import ModelDrafter
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
 from specsamp.mesh import make_mesh
 from specsamp.models import Model
-from specsamp.models.sharding import replicate_params
 from specsamp.quant import int8_kernel
 from tests import tiny
 
@@ -44,12 +42,8 @@ def engine(n: int, sp: SamplingParams, drafter: str, target_params=None, max_new
     mesh = make_mesh(n)
     target = Model(tiny.TARGET, mesh)
     params = target.shard_params(target_params or tiny.target_params())
-    draft, draft_params = None, None
-    if drafter == "model":
-        draft, draft_params = ModelDrafter(tiny.DRAFT, 2, sp), replicate_params(tiny.draft_params(), mesh)
-    elif drafter == "early-exit":
-        small, draft_params = target.first_layers(params, 1)
-        draft = ModelDrafter(small.cfg, 3, sp, kind="early-exit")
+    name, k = {"model": ("tiny-draft", 2), "early-exit": ("early-exit:1", 3)}.get(drafter, ("none", 1))
+    draft, draft_params = tiny.drafter(name, k, sp, mesh, params)
     return Engine(Program(tiny.TARGET, sp, draft), params, draft_params, eos_ids=(),
                   max_new_tokens=max_new, mesh=mesh)
 
@@ -102,7 +96,7 @@ def sampled(n_samples: int = 16_000) -> dict:
 
 def collectives() -> dict:
     """The collectives in the compiled decode program of the split target, per n."""
-    from specsamp.decode import decode, new_state, prefill
+    from specsamp.decoding.decode import decode, new_state, prefill
 
     out = {}
     for n in (2, 8):
@@ -122,7 +116,7 @@ def pipeline() -> dict:
     import tempfile
 
     from pipelines.generate import run
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from tests.pipeline_support import GOOD, read, tiny_models, write_config, write_prompts
 
     root = tempfile.mkdtemp(prefix="specsamp-tp-")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specsamp.acceptance import accept
-from specsamp.sampling import residual
+from specsamp.decoding.acceptance import accept
+from specsamp.decoding.sampling import residual
 
 ALPHA = 1e-4  # false-alarm rate of each statistical check
 

@@ -5,10 +5,10 @@ neighbours or insertion time."""
 import numpy as np
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.continuous import ContinuousEngine
-from tests.test_exactness import PROMPT, exact_joint, chi_square_pvalue, make_engine, ALPHA, N_TOKENS
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.continuous import ContinuousEngine
 from tests import tiny
+from tests.test_exactness import PROMPT, exact_joint, chi_square_pvalue, make_engine, ALPHA, N_TOKENS
 
 # Prompts of three buckets' worth of lengths (the tiny model's context is 256).
 PROMPTS = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1], list(range(1, 8)) * 6, [2, 6] * 20,

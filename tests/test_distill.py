@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.factory import build_drafter, file_loader
 from specsamp.distill import data as data_mod
 from specsamp.distill import draft as draft_mod
 from specsamp.distill import train as train_mod
 from specsamp.distill.config import load_config
-from specsamp.drafters import ModelDrafter
-from specsamp.engine import Engine
 from specsamp.errors import UserError
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -110,7 +110,7 @@ def _tiny_tokenizer():
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    from specsamp.tokenizer import Tokenizer, TokenizerMeta
+    from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta
 
     tk = HFTokenizer(WordLevel({c: i for i, c in enumerate("abcdefgh")}, unk_token="a"))
     tk.pre_tokenizer = Whitespace()
@@ -139,8 +139,11 @@ def test_exported_draft_loads_and_is_exact_under_greedy(datasets, tmp_path):
     sp = SamplingParams()
     prompts, seeds = [[1, 2, 3, 4], [5, 6, 7, 1, 2, 3]], [0, 1]
     ar = Engine(Program(tiny.TARGET, sp, None), tiny.target_params(), eos_ids=(), max_new_tokens=24)
-    spec = Engine(Program(tiny.TARGET, sp, ModelDrafter(loaded.cfg, 3, sp)), tiny.target_params(),
-                  loaded.params, eos_ids=(), max_new_tokens=24)
+    # The saved folder as a user's `--draft PATH`, through the one drafter factory.
+    target = types.SimpleNamespace(cfg=tiny.TARGET, params=tiny.target_params(), tokenizer=loaded.tokenizer)
+    drafter, draft_params = build_drafter(folder, 3, sp, tiny.TARGET, tiny.target_params(), file_loader(target))
+    spec = Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(),
+                  draft_params, eos_ids=(), max_new_tokens=24)
     a, b = ar.run(prompts, seeds), spec.run(prompts, seeds)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert sum(sum(r.accepted) for r in b) > 0  # the trained draft is actually accepted

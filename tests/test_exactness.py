@@ -6,6 +6,7 @@ check is a chi-square test at a false-alarm rate of ALPHA = 1e-4, on fixed seeds
 suite is deterministic). Greedy checks demand token-for-token equality.
 """
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -13,10 +14,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
 
@@ -28,7 +28,7 @@ N_TOKENS = 3
 
 def exact_joint(sp: SamplingParams) -> np.ndarray:
     """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes."""
-    from specsamp.sampling import probs_from_logits
+    from specsamp.decoding.sampling import probs_from_logits
 
     v = tiny.TARGET.vocab_size
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(v), repeat=N_TOKENS)])
@@ -45,22 +45,16 @@ def exact_joint(sp: SamplingParams) -> np.ndarray:
     return joint.reshape((v,) * N_TOKENS)
 
 
+# Each test's drafter as a draft string, built by the one factory users' drafters come from.
+DRAFTS = {"none": "none", "model": "tiny-draft", "early-exit": "early-exit:1", "ngram": "ngram",
+          "feature": "tiny-feature", "feature-reduced": "tiny-feature-reduced",
+          "hybrid": "ngram+tiny-feature-reduced"}
+
+
 def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
-    draft_params, drafter = None, None
-    if drafter_kind == "model":
-        drafter, draft_params = ModelDrafter(tiny.DRAFT, k, sp), tiny.draft_params()
-    elif drafter_kind == "early-exit":
-        drafter, draft_params = ModelDrafter(tiny.TARGET.truncated(1), k, sp), tiny.early_exit_params(1)
-    elif drafter_kind == "ngram":
-        drafter = NgramDrafter(k, tiny.TARGET.vocab_size)
-    elif drafter_kind.startswith("feature"):
-        make = tiny.feature_draft_reduced if drafter_kind == "feature-reduced" else tiny.feature_draft
-        cfg, draft_params = make()
-        drafter = FeatureDrafter(cfg, k, sp)
-    elif drafter_kind == "hybrid":  # n-gram where it matches, the reduced feature draft elsewhere
-        cfg, draft_params = tiny.feature_draft_reduced()
-        drafter = HybridDrafter(NgramDrafter(k, tiny.TARGET.vocab_size, min_ngram=2),
-                                FeatureDrafter(cfg, k, sp))
+    drafter, draft_params = tiny.drafter(DRAFTS[drafter_kind], k, sp)
+    if drafter_kind == "hybrid":  # lookup only for 2-grams and longer, so the draft runs too
+        drafter = dataclasses.replace(drafter, ngram=dataclasses.replace(drafter.ngram, min_ngram=2))
     return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
 
@@ -160,8 +154,9 @@ def test_rows_stop_independently_on_eos():
     first = free[0].token_ids
     cut = next(j for j in range(1, 16) if first[j] not in first[:j])  # a fresh token
     eos = first[cut]
-    engine = Engine(Program(tiny.TARGET, sp, ModelDrafter(tiny.DRAFT, 3, sp)), tiny.target_params(),
-                    tiny.draft_params(), eos_ids=(eos,), max_new_tokens=16)
+    drafter, draft_params = tiny.drafter("tiny-draft", 3, sp)
+    engine = Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
+                    eos_ids=(eos,), max_new_tokens=16)
     a, b = engine.run(prompts, [0, 0])
     assert a.token_ids == first[: cut + 1] and a.stop_reason == "eos"
     other = free[1].token_ids

@@ -7,12 +7,12 @@ import types
 
 import numpy as np
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.factory import build_drafter, file_loader
 from specsamp.distill import data as data_mod
 from specsamp.distill.feature import FeatureTrainConfig, train_feature_draft
-from specsamp.drafters import FeatureDrafter
-from specsamp.engine import Engine
 from tests import tiny
 
 T, V = 32, tiny.TARGET.vocab_size
@@ -49,11 +49,11 @@ def test_feature_draft_learns_and_exports_an_exact_draft(tmp_path):
     assert result["step"] == 80
     assert result["alpha_code"] > first["alpha_code"] + 0.05, (first, result)
 
-    from specsamp.models.feature_draft import load_feature_draft
-
-    cfg, params = load_feature_draft(str(tmp_path / "out" / "draft"), _target())
-    sp = SamplingParams(0.0)
-    spec = Engine(Program(tiny.TARGET, sp, FeatureDrafter(cfg, 3, sp)), tiny.target_params(),
+    sp = SamplingParams(0.0)  # the saved draft as a user's `--draft PATH`, through the factory
+    drafter, params = build_drafter(str(tmp_path / "out" / "draft"), 3, sp, tiny.TARGET, tiny.target_params(),
+                                    file_loader(_target()))
+    assert drafter.kind == "feature"
+    spec = Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(),
                   params, max_new_tokens=20).run([[1, 2, 3, 4]], [0])[0]
     base = Engine(Program(tiny.TARGET, sp), tiny.target_params(), max_new_tokens=20).run([[1, 2, 3, 4]], [0])[0]
     assert spec.token_ids == base.token_ids and sum(spec.accepted) > 0

@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.config import SamplingParams, parse_draft
-from specsamp.drafts import default_draft, resolve
+from specsamp.decoding.config import SamplingParams, parse_draft
+from specsamp.decoding.decode import Program
+from specsamp.decoding.drafts import default_draft, resolve
+from specsamp.decoding.engine import Engine
 from specsamp.errors import UserError
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter
-from specsamp.engine import Engine
 from specsamp.models.feature_draft import FeatureDraft
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -23,9 +22,10 @@ from tests import tiny
 
 def test_k1_acceptance_matches_teacher_forced_draft():
     sp = SamplingParams(0.0)
-    cfg, dparams = tiny.feature_draft()
+    drafter, dparams = tiny.drafter("tiny-feature", 1, sp)
+    cfg = drafter.cfg
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    engine = Engine(Program(tiny.TARGET, sp, FeatureDrafter(cfg, 1, sp)), tiny.target_params(),
+    engine = Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(),
                     dparams, eos_ids=(), max_new_tokens=20)
     [r] = engine.run([prompt], [0])
     seq = jnp.asarray([prompt + list(r.token_ids)])
@@ -51,7 +51,7 @@ def test_k1_acceptance_matches_teacher_forced_draft():
 def test_saved_feature_draft_loads_into_the_generator(tmp_path):
     """Round trip through the on-disk format (own weights only, float16), used by
     `--draft PATH`; greedy output equals the baseline's."""
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.loading import load_model
     from specsamp.models.feature_draft import init_feature_draft, save_feature_draft
     from specsamp.testing import make_tiny_checkpoint

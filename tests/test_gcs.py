@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas import COMPLETIONS
-from specsamp import storage
 from specsamp.cli import main
+from specsamp.loading.fs import filesystem, glob
 from tests.pipeline_support import tiny_models
 
 BUCKET = "specsamp-test"
@@ -68,7 +68,7 @@ def gcs(tmp_path_factory):
 
 
 def _upload(local_dir: str, url: str) -> None:
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     for name in os.listdir(local_dir):
         fs.put(os.path.join(local_dir, name), f"{path}/{name}")
 
@@ -90,17 +90,17 @@ def test_gs_round_trip(gcs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{gcs}/runs/one/completions-*.parquet  8 rows" in out
 
-    paths = storage.glob(f"{gcs}/runs/one/completions-*.parquet")
-    fs, _ = storage.filesystem(gcs)
-    table = pa.concat_tables([pq.read_table(storage.filesystem(p)[1], filesystem=fs) for p in paths])
+    paths = glob(f"{gcs}/runs/one/completions-*.parquet")
+    fs, _ = filesystem(gcs)
+    table = pa.concat_tables([pq.read_table(filesystem(p)[1], filesystem=fs) for p in paths])
     assert sorted(table.column("id").to_pylist()) == sorted(f"prompts/{i}" for i in range(4) for _ in range(2))
     assert set(table.column("target").to_pylist()) == {f"{gcs}/models/target"}
     assert table.schema.field("accepted_per_loop").type.equals(COMPLETIONS.field("accepted_per_loop").type)
-    assert not storage.glob(f"{gcs}/runs/one/errors-*.parquet")  # shards hold rows: none failed
+    assert not glob(f"{gcs}/runs/one/errors-*.parquet")  # shards hold rows: none failed
 
     assert main(["run", "--config", str(config)]) == 0  # resume: nothing left, no Beam job
     assert "nothing to do" in capsys.readouterr().err
-    assert storage.glob(f"{gcs}/runs/one/completions-*.parquet") == paths
+    assert glob(f"{gcs}/runs/one/completions-*.parquet") == paths
 
 
 def test_unreachable_bucket_and_missing_input_fail_before_work(gcs, tmp_path, capsys):
@@ -175,7 +175,7 @@ def test_transient_503s_lose_and_duplicate_nothing(gcs, tmp_path, capsys, monkey
     """Every 4th storage request fails with 503 (reads, listings, uploads of shards): the
     client's retries absorb them; every prompt x setting is written once."""
     target, draft = tiny_models(str(tmp_path / "models"))
-    fs, _ = storage.filesystem(gcs)
+    fs, _ = filesystem(gcs)
     table = pa.table({"id": [f"q{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS})
     buf = pa.BufferOutputStream()
     pq.write_table(table, buf)
@@ -195,7 +195,7 @@ def test_transient_503s_lose_and_duplicate_nothing(gcs, tmp_path, capsys, monkey
         type(fs).clear_instance_cache()
     keys = []
     for name in ("completions", "errors"):
-        for path in storage.glob(f"{gcs}/flaky/out/{name}-*.parquet"):
-            got = pq.read_table(storage.filesystem(path)[1], filesystem=storage.filesystem(path)[0])
+        for path in glob(f"{gcs}/flaky/out/{name}-*.parquet"):
+            got = pq.read_table(filesystem(path)[1], filesystem=filesystem(path)[0])
             keys += [(r["id"], r["draft"], r["k"]) for r in got.to_pylist()]
     assert sorted(keys) == sorted((f"q{i}", d, k) for i in range(len(PROMPTS)) for d, k in (("none", 0), ("ngram", 2)))

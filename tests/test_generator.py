@@ -2,8 +2,8 @@
 
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.generator import GeneratorSpec, load_generator
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.generator import GeneratorSpec, load_generator
 from specsamp.testing import make_tiny_checkpoint
 
 
@@ -66,7 +66,7 @@ def test_statistics_stop_at_the_stop_string(target):
 
 def test_rounds_cut_keeps_what_the_kept_tokens_needed():
     """Cutting a round log mid-round keeps that round's emitted draft tokens only."""
-    from specsamp.rounds import Rounds
+    from specsamp.decoding.rounds import Rounds
 
     log = Rounds(tokens=(3, 1, 4, 2), accepted=(2, -1, 3, 1), draft_calls=(3, 0, 3, 3))
     assert log.cut(10) == log and log.cut(99) == log
@@ -93,8 +93,8 @@ def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
     include draft tokens never emitted."""
     import jax.numpy as jnp
 
+    from specsamp.decoding.state import DecodeState, commit
     from specsamp.models import ModelConfig, init_cache
-    from specsamp.state import DecodeState, commit
 
     cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8, d_ff=8)
     b, r = 2, 6

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from specsamp.costs import CostCurve
-from specsamp.kpolicy import KPolicy, expected_tokens
+from specsamp.decoding.costs import CostCurve
+from specsamp.decoding.kpolicy import KPolicy
+from specsamp.decoding.stats import expected_tokens
 
 KS = (0, 1, 2, 4)
 
@@ -48,8 +49,8 @@ def test_fresh_rows_borrow_the_pooled_rate():
 def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
     """The first call times every (batch, tokens) pair the policy needs and writes them
     under $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
-    from specsamp import costs
-    from specsamp.config import SamplingParams
+    from specsamp.decoding import costs
+    from specsamp.decoding.config import SamplingParams
     from tests.test_exactness import make_engine
 
     monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))

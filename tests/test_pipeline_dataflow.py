@@ -62,8 +62,9 @@ def test_setup_file_builds_an_sdist_with_the_pipeline(tmp_path):
                    cwd=src, check=True, capture_output=True)
     [sdist] = list((tmp_path / "dist").iterdir())
     names = tarfile.open(sdist).getnames()
-    for module in ("pipelines/generate.py", "pipelines/handler.py", "schemas/tables.py", "specsamp/generator.py",
+    for module in ("pipelines/generate.py", "pipelines/handler.py", "schemas/tables.py",
+                   "specsamp/decoding/generator.py",
                    # the shipped draft (`auto`, `ngram+smollm2-feature`) travels with the code
-                   "specsamp/drafts/smollm2_135m_instruct_feature/model.safetensors",
-                   "specsamp/drafts/smollm2_135m_instruct_feature/specsamp_draft.json"):
+                   "specsamp/decoding/drafts/smollm2_135m_instruct_feature/model.safetensors",
+                   "specsamp/decoding/drafts/smollm2_135m_instruct_feature/specsamp_draft.json"):
         assert any(n.endswith(module) for n in names), module

@@ -234,7 +234,7 @@ def test_retry_errors_supersedes_the_old_error_rows(models, tmp_path, capsys):
     old error row no longer counts (summary, report views, resume scan), the other error
     kinds are not retried; a later --retry-errors (all kinds) leaves one error per key."""
     from pipelines.generate import run
-    from specsamp import outputs
+    from specsamp.analysis import outputs
     from tests.pipeline_support import FAILING_LOADER
 
     config, expected = make_run(tmp_path, models)

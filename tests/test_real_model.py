@@ -4,12 +4,10 @@ token-for-token the autoregressive output, with every drafter (slow: real weight
 import jax
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.drafts import resolve
-from specsamp.engine import Engine
-from specsamp.models.feature_draft import load_feature_draft
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.factory import DraftWeights, build_drafter, file_loader
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +41,19 @@ def _layers(params, idx):
 @pytest.mark.parametrize("drafter", ["ngram", "early-exit:2", "separate:0,29", "self", "shipped"])
 def test_greedy_speculative_equals_autoregressive(smollm2, baseline, drafter):
     cfg, params, sp = smollm2.cfg, smollm2.params, SamplingParams(0.0)
-    if drafter == "ngram":
-        d, dp = NgramDrafter(4, cfg.vocab_size), None
-    elif drafter == "early-exit:2":
-        d, dp = ModelDrafter(cfg.truncated(2), 3, sp), _layers(params, slice(0, 2))
-    elif drafter == "separate:0,29":  # a separate 2-layer model (target layers 0 and 29)
-        d, dp = ModelDrafter(cfg.truncated(2), 5, sp), _layers(params, jax.numpy.array([0, 29]))
-    elif drafter == "shipped":  # lookup + the trained feature draft shipped in the package
-        dcfg, dp = load_feature_draft(resolve("smollm2-feature"), smollm2)
-        d = HybridDrafter(NgramDrafter(3, cfg.vocab_size), FeatureDrafter(dcfg, 3, sp))
-    else:  # the target drafting for itself: every draft token must be accepted
-        d, dp = ModelDrafter(cfg, 4, sp), params
+    in_memory = {  # draft models made of the target's own layers, by name
+        "separate:0,29": DraftWeights("model", cfg.truncated(2), _layers(params, jax.numpy.array([0, 29]))),
+        "self": DraftWeights("model", cfg, params),  # the target drafting for itself
+    }
+    from_files = file_loader(smollm2)
+
+    def load(path, feature_only):
+        return in_memory[path] if path in in_memory else from_files(path, feature_only)
+
+    draft, k = {"ngram": ("ngram", 4), "early-exit:2": ("early-exit:2", 3), "separate:0,29": ("separate:0,29", 5),
+                # lookup + the trained feature draft shipped in the package
+                "shipped": ("ngram+smollm2-feature", 3), "self": ("self", 4)}[drafter]
+    d, dp = build_drafter(draft, k, sp, cfg, params, load)
     spec = _run(smollm2, d, dp)
     for s, a in zip(spec, baseline):
         assert s.token_ids == a.token_ids

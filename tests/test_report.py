@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas import COMPLETIONS
-from specsamp import cli, outputs, report
+from specsamp import cli
+from specsamp.analysis import outputs, report
 from specsamp.errors import UserError
 from tests.synthetic_tables import completion_row, error_row, random_rows, write, write_errors
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.config import SamplingParams
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.sampling import probs_from_logits, residual
 from specsamp.errors import UserError
-from specsamp.sampling import probs_from_logits, residual
 
 
 def reference_probs(logits, temperature, top_k, top_p):
@@ -116,7 +116,7 @@ def test_nucleus_fast_path_equals_full_sort_at_the_boundary():
     tokens (fast path); one ulp above, the 257th is needed (full sort). Catches a coverage
     check that adds the top differently from the cut (jnp.sum vs the running sum): it
     would call the top covered and drop the 257th token the full sort keeps."""
-    from specsamp.sampling import _nucleus
+    from specsamp.decoding.sampling import _nucleus
 
     probs, running = _boundary_row()
     at = np.asarray(jax.jit(_nucleus, static_argnums=1)(probs, float(running)))

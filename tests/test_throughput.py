@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from specsamp.config import SamplingParams
-from specsamp.throughput import format_throughput, run_throughput
+from specsamp.analysis.throughput import format_throughput, run_throughput
+from specsamp.decoding.config import SamplingParams
 
 PROMPTS = ["the quick brown fox", "one two one two one", "def add(a, b):", "for i in range",
            "the end of the story", "speculative sampling drafts"]
@@ -14,7 +14,7 @@ PROMPTS = ["the quick brown fox", "one two one two one", "def add(a, b):", "for 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.testing import make_tiny_checkpoint
 
     target = make_tiny_checkpoint(str(tmp_path_factory.mktemp("t") / "t"), n_layers=2)
@@ -56,7 +56,7 @@ def test_figures_add_up(rows):
 def test_generator_k_auto_and_continuous_give_greedy_baseline_text(tmp_path):
     """Generator with k 'auto' (continuous batching, K chosen per chunk) and with a fixed K
     in continuous batching returns the baseline's greedy completions, in prompt order."""
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.testing import make_tiny_checkpoint
 
     target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from specsamp import tokenizer as tok
 from specsamp.errors import UserError
+from specsamp.loading import tokenizer as tok
 from specsamp.loading.hf import read_hf
 from specsamp.testing import CHATML, make_tiny_checkpoint, tiny_tokenizer
 

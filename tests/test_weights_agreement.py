@@ -20,7 +20,7 @@ def test_stored_greedy_equals_float32_up_to_near_ties():
     """Catches a stored-weight model that is not the float32 model (wrong block, layer
     or kernel arithmetic): on bench prompts, greedy outputs agree token for token until
     a position where the float32 logits of the two candidates are within 0.01."""
-    from specsamp.bench import humaneval_prompts, prose_prompts
+    from specsamp.analysis.bench import humaneval_prompts, prose_prompts
     from specsamp.quant.agreement import compare
 
     results = compare(humaneval_prompts(2) + prose_prompts(1), max_new_tokens=32)

@@ -48,3 +48,27 @@ def feature_draft_reduced():
 
     cfg, params = feature_draft()
     return cfg, {**params, **reduced_head(TARGET, target_params(), [0, 2, 3, 5, 6])}
+
+
+# Drafts by name for `specsamp.decoding.factory.build_drafter`, so that tests build their
+# drafters through the same factory as users (a draft string), from these in-memory weights.
+_DRAFTS = {
+    "tiny-draft": lambda: ("model", DRAFT, draft_params()),
+    "tiny-feature": lambda: ("feature", *feature_draft()),
+    "tiny-feature-reduced": lambda: ("feature", *feature_draft_reduced()),
+}
+
+
+def load_draft(path: str, feature_only: bool = False):
+    from specsamp.decoding.factory import DraftWeights
+
+    return DraftWeights(*_DRAFTS[path]())
+
+
+def drafter(draft: str, k: int, sp, mesh=None, target_params_=None):
+    """(drafter, draft params) for a draft string on TARGET: 'ngram', 'early-exit:1',
+    'tiny-draft', 'tiny-feature', 'ngram+tiny-feature-reduced', ..."""
+    from specsamp.decoding.factory import build_drafter
+
+    params = target_params() if target_params_ is None else target_params_
+    return build_drafter(draft, k, sp, TARGET, params, load_draft, mesh)

@@ -34,9 +34,9 @@ def main(argv=None) -> int:
     if args.cold_cache:
         os.environ["SPECSAMP_JAX_CACHE"] = tempfile.mkdtemp(prefix="specsamp-jax-")
 
-    from specsamp.bench import humaneval_prompts
+    from specsamp.analysis.bench import humaneval_prompts
     from specsamp.compilation import enable_compilation_cache
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
 
     enable_compilation_cache()
     t0 = time.perf_counter()

@@ -26,8 +26,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from specsamp.audit import format_results, run_audit
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.analysis.audit import format_results, run_audit
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
 
     if args.samples < 50:
         raise UserError(f"--samples must be >= 50 for a meaningful test, got {args.samples}")

@@ -54,7 +54,7 @@ def register(sub) -> None:
 
 
 def _prompts(args) -> tuple[list[str], bool]:
-    from specsamp.bench import humaneval_prompts, prose_prompts
+    from specsamp.analysis.bench import humaneval_prompts, prose_prompts
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
@@ -71,11 +71,11 @@ def _prompts(args) -> tuple[list[str], bool]:
 
 
 def run(args) -> int:
-    from specsamp.bench import (
+    from specsamp.analysis.bench import (
         add_traffic, format_table, run_bench, streaming_bandwidth, traffic_line,
     )
-    from specsamp.config import SamplingParams
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.config import SamplingParams
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
 
     if args.draft == "none":
         raise UserError("bench compares a drafter with the baseline: give --draft other than none")
@@ -136,9 +136,9 @@ def _print(rows: list[dict], as_json: bool, table) -> int:
 
 
 def run_throughput_command(args) -> int:
-    from specsamp.config import SamplingParams, check_k
-    from specsamp.generator import GeneratorSpec, load_generator
-    from specsamp.throughput import format_throughput, run_throughput
+    from specsamp.analysis.throughput import format_throughput, run_throughput
+    from specsamp.decoding.config import SamplingParams, check_k
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
 
     ks = args.k or [4, "auto"]
     args.limit = 4 * max(args.batch_size) if args.limit is None else args.limit

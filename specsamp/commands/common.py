@@ -83,13 +83,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from(args):
-    from specsamp.config import SamplingParams
+    from specsamp.decoding.config import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p)
 
 
 def spec_from(args, draft: str | None = None, k: int | None = None, sampling=None, **extra):
-    from specsamp.generator import GeneratorSpec
+    from specsamp.decoding.generator import GeneratorSpec
 
     return GeneratorSpec(
         target=args.target,

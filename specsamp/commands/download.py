@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specsamp.download import MODELS, clear, ensure
+    from specsamp.loading.download import MODELS, clear, ensure
 
     spec = MODELS[args.model]
     if args.force:

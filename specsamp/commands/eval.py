@@ -42,9 +42,9 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    from specsamp import evaluation, outputs, report
+    from specsamp.analysis import evaluation, outputs, report
+    from specsamp.analysis.sandbox import Limits, SandboxUnavailable
     from specsamp.errors import UserError
-    from specsamp.sandbox import Limits, SandboxUnavailable
 
     if not args.timeout > 0:
         raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")

@@ -25,7 +25,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import time
 
-    from specsamp.generator import load_generator
+    from specsamp.decoding.generator import load_generator
 
     spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop),
                      stop_token_ids=tuple(args.stop_token_id), tensor_parallel=args.tensor_parallel)

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    from specsamp import outputs, report
+    from specsamp.analysis import outputs, report
 
     by = report.parse_by(args.by)
     con = outputs.connect(outputs.resolve(args.tables))
@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(report.render(groups))
     if args.plot:
-        from specsamp import plots
+        from specsamp.analysis import plots
 
         written = plots.write_all(con, by, args.plot)
         if not args.json:

@@ -103,9 +103,9 @@ class Sampler:
     """The target's completions for chat prompts: greedy on even batches, T=1 on odd ones."""
 
     def __init__(self, target, cfg: DataConfig):
-        from specsamp.config import SamplingParams
-        from specsamp.decode import Program
-        from specsamp.engine import Engine
+        from specsamp.decoding.config import SamplingParams
+        from specsamp.decoding.decode import Program
+        from specsamp.decoding.engine import Engine
 
         self.target, self.cfg = target, cfg
         eos = tuple(target.tokenizer.eos_ids)

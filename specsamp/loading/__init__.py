@@ -33,8 +33,8 @@ from specsamp.errors import UserError
 from specsamp.loading import fs
 
 if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help` stays instant
+    from specsamp.loading.tokenizer import Tokenizer
     from specsamp.models.llama import ModelConfig
-    from specsamp.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
 WEIGHTS = ("stored", "float32", "int8")
@@ -71,7 +71,7 @@ def load_model(spec: str | None = None, weights: str = "stored") -> LoadedModel:
     name = spec or DEFAULT_MODEL
     stored = check_weights(weights) == "stored"
     if name == DEFAULT_MODEL:
-        from specsamp.download import ensure_smollm2
+        from specsamp.loading.download import ensure_smollm2
 
         cfg, flat, tokenizer = _load_gguf(ensure_smollm2(), stored)
     else:
@@ -138,7 +138,7 @@ def _load_hf(path: str):
 
 
 def _load_gguf(path: str, stored: bool):
-    from specsamp import tokenizer as tok
+    from specsamp.loading import tokenizer as tok
     from specsamp.loading.gguf import read_gguf
 
     if stored:  # the blocks are read straight from the file: no float32 copy in the cache
@@ -176,7 +176,7 @@ def _write_converted(folder, cfg, flat, tokenizer, tok_meta: dict) -> None:
 def _read_converted(folder):
     from safetensors.numpy import load_file
 
-    from specsamp import tokenizer as tok
+    from specsamp.loading import tokenizer as tok
     from specsamp.models.llama import ModelConfig
 
     with open(folder / "model.json", encoding="utf-8") as f:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from specsamp.errors import UserError
+from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf
 from specsamp.models.llama import ModelConfig
-from specsamp.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf
 
 ARCHITECTURES = ("llama", "qwen2")
 _PERMUTED_QK = ("llama",)

@@ -14,8 +14,8 @@ import os
 import numpy as np
 
 from specsamp.errors import UserError
+from specsamp.loading import tokenizer as tok
 from specsamp.models.llama import ModelConfig
-from specsamp import tokenizer as tok
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Files a loader may read; a remote folder is copied with exactly these (when present).

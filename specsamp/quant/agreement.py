@@ -37,7 +37,7 @@ def compare(prompts, max_new_tokens: int = 128, weights=("float32", "stored"),
     """Greedy outputs of `weights[1]` against the reference `weights[0]` (chat prompts)."""
     import jax.numpy as jnp
 
-    from specsamp.generator import GeneratorSpec, load_generator
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.models import Model
 
     ref, other = (load_generator(GeneratorSpec(target=target, draft="none", chat=True,
@@ -60,7 +60,7 @@ def compare(prompts, max_new_tokens: int = 128, weights=("float32", "stored"),
 
 
 def main(argv=None) -> int:
-    from specsamp.bench import humaneval_prompts, prose_prompts
+    from specsamp.analysis.bench import humaneval_prompts, prose_prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", choices=("humaneval", "prose"), default="humaneval")

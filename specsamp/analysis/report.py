@@ -1,6 +1,6 @@
 """Latency, acceptance and speed-up per group of completions (`specsamp report`).
 
-All aggregation is SQL over the DuckDB views of `specsamp.outputs`; Python only pairs
+All aggregation is SQL over the DuckDB views of `specsamp.analysis.outputs`; Python only pairs
 groups and applies two formulas:
 
 - Speed-up of a speculative group = mean ms/token of its autoregressive baseline / its own
@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from specsamp.decoding import stats
 from specsamp.errors import UserError
 
 GROUP_KEYS = (
@@ -130,19 +131,18 @@ def _group_rows(con, by) -> list[Group]:
         SELECT {sql_columns(by)}, count(*), sum(generated_tokens),
             {_stats_sql('total_s')}, {_stats_sql('ms_per_token')},
             sum(list_sum(accepted_per_loop)), sum(k * len(accepted_per_loop)),
-            sum(generated_tokens)::DOUBLE / nullif(sum(target_calls), 0),
-            avg(cost_ratio), min(k), max(k)
+            sum(target_calls), avg(cost_ratio), min(k), max(k)
         FROM completions GROUP BY ALL ORDER BY ALL"""
     groups = []
     for row in con.execute(sql).fetchall():
         key = dict(zip(by, row[: len(by)]))
         (samples, tokens, *rest) = row[len(by):]
-        total, ms, (accepted, drafted, tpc, cost, kmin, kmax) = rest[:4], rest[4:8], rest[8:]
+        total, ms, (accepted, drafted, calls, cost, kmin, kmax) = rest[:4], rest[4:8], rest[8:]
         groups.append(Group(
             key=key, samples=int(samples), tokens=int(tokens or 0),
             total_s=_summary(*total), ms_per_token=_summary(*ms),
-            acceptance_rate=float(accepted or 0) / drafted if drafted else None,
-            tokens_per_call=_num(tpc), cost_ratio=_num(cost),
+            acceptance_rate=_num(stats.acceptance_rate(float(accepted or 0), drafted or 0)),
+            tokens_per_call=_num(stats.tokens_per_call(float(tokens or 0), calls or 0)), cost_ratio=_num(cost),
             k=int(kmin) if kmin == kmax else None,
         ))
     return groups
@@ -161,7 +161,7 @@ def _attach_loops(con, by, groups: dict) -> None:
            f"FROM ({_loops_sql(by)}) GROUP BY ALL")
     for row in con.execute(sql).fetchall():
         accepted, rejected = float(row[-2]), int(row[-1])
-        groups[tuple(row[: len(by)])].alpha = accepted / (accepted + rejected) if accepted + rejected else None
+        groups[tuple(row[: len(by)])].alpha = _num(stats.alpha(accepted, accepted + rejected))
     sql = f"""
         WITH loops AS ({_loops_sql(by)}),
         pos AS (SELECT {sql_columns(by)}, _a, unnest(range(1, _k + 1)) AS _i FROM loops)
@@ -239,11 +239,10 @@ def paired_ratio_ci(base: Summary, spec: Summary, pairs: Pairs | None,
 
 
 def predicted_speedup(a: float | None, k: int | None, c: float | None) -> float | None:
-    """(1 - a^(K+1)) / ((1 - a)(K c + 1)); (K+1)/(K c + 1) at a = 1."""
+    """(1 - a^(K+1)) / ((1 - a)(K c + 1)) (`specsamp.decoding.stats`); None when unknown."""
     if a is None or not k or c is None:
         return None
-    tokens_per_loop = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens_per_loop / (k * c + 1)
+    return _num(stats.predicted_speedup(a, k, c))
 
 
 def baseline_key(key: dict) -> tuple:

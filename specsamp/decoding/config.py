@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specsamp.drafts import resolve
+from specsamp.decoding.drafts import resolve
 from specsamp.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a distribution (see `specsamp.sampling.probs_from_logits`).
+    """How logits become a distribution (see `specsamp.decoding.sampling.probs_from_logits`).
 
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens; 0 disables the filter.
@@ -63,7 +63,7 @@ DRAFT_FORMS = "'auto', 'none', 'ngram[:N]', 'early-exit:L', a path, a shipped dr
 def parse_draft(draft: str) -> tuple[str, object]:
     """'auto' (the best known drafter for the target) | 'none' | 'ngram[:N]' | 'early-exit:L' | path | shipped name | 'ngram[:N]+<path or name>'
     -> (kind, argument); the hybrid's argument is (N, path). A shipped draft's name comes
-    back as its folder (`specsamp.drafts.resolve`): callers see paths only."""
+    back as its folder (`specsamp.decoding.drafts.resolve`): callers see paths only."""
     if not isinstance(draft, str) or not draft:
         raise UserError(f"draft must be {DRAFT_FORMS}, got {draft!r}")
     if draft in ("none", "auto"):

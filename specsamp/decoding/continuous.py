@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
-from specsamp.decode import Program, _ar_round, _spec_round, new_state, prefill
-from specsamp.engine import Engine, RawSample, prompt_bucket
-from specsamp.rounds import from_log
-from specsamp.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
+from specsamp.decoding import stats
+from specsamp.decoding.decode import Program, _ar_round, _spec_round, new_state, prefill
+from specsamp.decoding.engine import Engine, RawSample, prompt_bucket
+from specsamp.decoding.rounds import from_log
+from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,7 @@ class ContinuousEngine:
 
     ks: the K values it may switch between per chunk (0: plain rounds), default the
     program's own K; `policy(accepted, tested)` picks an index into ks from the running
-    rows' accepted and tested draft tokens (`specsamp.kpolicy.KPolicy`).
+    rows' accepted and tested draft tokens (`specsamp.decoding.kpolicy.KPolicy`).
     """
 
     engine: Engine
@@ -283,9 +284,9 @@ class _Run:
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
             new = log[s, self.calls[s] : calls[s]]
-            new = new[new >= 0]  # -1: a plain round, no draft scored
-            self.accepted[s] += new.sum()
-            self.tested[s] += new.sum() + (new < k).sum()
+            accepted, _, tested = stats.loop_counts(new[new >= 0], k)  # -1: a plain round
+            self.accepted[s] += accepted
+            self.tested[s] += tested
         self.calls = calls.astype(np.int64)
 
     def acceptance(self) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ Isolation (`Sandbox.isolated`), all set up before any program code runs:
   launcher first drops to host uid 65534 (via a private mount namespace in which the Python
   installation is made reachable for that uid), so that no host file, process or limit sees
   a root-owned process; RLIMIT_NPROC binds.
-- A seccomp filter (`specsamp.sandbox_seccomp`) refuses namespaces, mounts, ptrace and other
+- A seccomp filter (`specsamp.analysis.sandbox_seccomp`) refuses namespaces, mounts, ptrace and other
   processes' memory, pidfds, io_uring, bpf and every socket family but AF_UNIX.
 - The driver is PID 1's only child in its PID namespace, and bwrap dies with the launcher:
   when the wall-clock limit passes, killing the launcher's process group ends every process
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from specsamp import sandbox_seccomp
+from specsamp.analysis import sandbox_seccomp
 
 _DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_driver.py")
 NOBODY = 65534

@@ -24,8 +24,7 @@ import posixpath
 
 from schemas import COMPLETIONS, ERRORS, SchemaMismatch, check_schema
 from specsamp.errors import UserError
-from specsamp import storage
-from specsamp.storage import filesystem
+from specsamp.loading.fs import filesystem, glob, join
 
 COMPLETIONS_GLOB = "completions-*.parquet"
 ROW_KEY = ("id", "draft", "k", "config_hash")
@@ -57,8 +56,8 @@ def _expand(arg: str) -> list[str]:
         raise UserError(f"cannot list {arg}: {type(e).__name__}: {e}") from None
     if is_dir:
         return [f for pattern in (COMPLETIONS_GLOB, ERRORS_GLOB)
-                for f in storage.glob(storage.join(arg, "**", pattern))]
-    found = storage.glob(arg)
+                for f in glob(join(arg, "**", pattern))]
+    found = glob(arg)
     if not found:
         raise UserError(f"nothing matches {arg}" if any(c in arg for c in "*?[") else f"{arg} does not exist")
     return found
@@ -66,7 +65,7 @@ def _expand(arg: str) -> list[str]:
 
 def _sibling_errors(completion_files: list[str]) -> list[str]:
     folders = sorted({posixpath.dirname(f) for f in completion_files})
-    return [f for d in folders for f in storage.glob(storage.join(d, ERRORS_GLOB) if d else ERRORS_GLOB)]
+    return [f for d in folders for f in glob(join(d, ERRORS_GLOB) if d else ERRORS_GLOB)]
 
 
 def resolve(args: list[str]) -> Tables:

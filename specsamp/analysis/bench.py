@@ -22,7 +22,8 @@ import math
 import statistics
 from typing import Callable, Sequence
 
-from specsamp.config import SamplingParams
+from specsamp.decoding import stats
+from specsamp.decoding.config import SamplingParams
 
 HUMANEVAL_CHAT = "Complete the following Python function.\n\n```python\n{prompt}```"
 
@@ -33,7 +34,7 @@ class Timing:
     decode_s: float = 0.0
     accepted: int = 0
     drafted: int = 0
-    rejections: int = 0  # loops that stopped at a rejected draft token (accepted < K)
+    tested: int = 0  # accepted + loops that stopped at a rejected draft token (accepted < K)
     calls: int = 0
     loops: int = 0  # calls that scored a draft (the rest were plain steps)
     draft_calls: int = 0
@@ -42,28 +43,17 @@ class Timing:
         for c in completions:
             self.tokens += c.generated_tokens
             self.decode_s += c.decode_s
-            self.accepted += sum(c.accepted_per_loop)
-            self.drafted += c.k * len(c.accepted_per_loop)
-            self.rejections += sum(1 for n in c.accepted_per_loop if n < c.k)
+            accepted, drafted, tested = stats.loop_counts(c.accepted_per_loop, c.k)
+            self.accepted += accepted
+            self.drafted += drafted
+            self.tested += tested
             self.calls += c.target_calls
             self.loops += len(c.accepted_per_loop)
             self.draft_calls += c.draft_calls
 
     @property
     def ms_per_token(self) -> float:
-        return 1000 * self.decode_s / self.tokens if self.tokens else math.nan
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per loop] = (1 - a^(K+1)) / (1 - a)."""
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def predicted_speedup(alpha: float, k: int, c: float, score_ratio: float = 1.0) -> float:
-    """Cost model: E[tokens/loop] / (K c + score_ratio), in units of one target step."""
-    if math.isnan(alpha) or math.isnan(c):
-        return math.nan
-    return expected_tokens(alpha, k) / (k * c + score_ratio)
+        return stats.ms_per_token(self.decode_s, self.tokens)
 
 
 def measured_prediction(t: Timing, c: float, score_ratio: float) -> float:
@@ -127,25 +117,21 @@ def run_bench(
 
 
 def _row(k, sp, ar_ms, timings, gen) -> dict:
-    from specsamp.costs import scoring_ratio
+    from specsamp.decoding.costs import scoring_ratio
 
     spec_ms = statistics.median(t.ms_per_token for t in timings)
     t = timings[0]
-    # The cost model's alpha is the chance that one tested draft token is kept; a loop tests
-    # tokens up to its first rejection, so alpha = accepted / (accepted + rejections).
-    # (accepted / drafted, the acceptance rate, is lower: untested tokens count as lost.)
-    tested = t.accepted + t.rejections
-    alpha = t.accepted / tested if tested else math.nan
+    alpha = stats.alpha(t.accepted, t.tested)  # the cost model's (`specsamp.decoding.stats`)
     c = gen.cost_ratio
     score_ratio = scoring_ratio(gen.engine.prog.target, gen.engine.target_params, k)
     return {
         "drafter": gen.draft_id, "k": k, "temperature": sp.temperature, "top_k": sp.top_k,
         "top_p": sp.top_p, "ar_ms_per_token": ar_ms, "spec_ms_per_token": spec_ms,
-        "speedup": ar_ms / spec_ms,
-        "acceptance_rate": t.accepted / t.drafted if t.drafted else math.nan, "alpha": alpha,
-        "tokens_per_call": t.tokens / t.calls if t.calls else math.nan,
+        "speedup": stats.speedup(ar_ms, spec_ms),
+        "acceptance_rate": stats.acceptance_rate(t.accepted, t.drafted), "alpha": alpha,
+        "tokens_per_call": stats.tokens_per_call(t.tokens, t.calls),
         "cost_ratio": c, "score_cost_ratio": score_ratio,
-        "predicted_speedup": predicted_speedup(alpha, k, c),
+        "predicted_speedup": stats.predicted_speedup(alpha, k, c),
         "predicted_speedup_scoring": measured_prediction(t, c, score_ratio),
         "tokens": t.tokens, "repeats": len(timings),
     }

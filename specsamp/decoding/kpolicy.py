@@ -2,7 +2,7 @@
 autoregressive rounds) that maximises the batch's expected tokens per second.
 
 A round at K costs score[K+1] + K * draft seconds for the whole batch (measured once per
-machine, `specsamp.costs.cost_curve`: memory-bound and nearly flat in K at small batches,
+machine, `specsamp.decoding.costs.cost_curve`: memory-bound and nearly flat in K at small batches,
 compute-bound and growing with K at large ones), and yields, for each running row with
 acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the paper's cost model;
 SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
@@ -22,18 +22,14 @@ from typing import Sequence
 
 import numpy as np
 
-from specsamp.costs import CostCurve
-
-
-def expected_tokens(alpha: np.ndarray, k: int) -> np.ndarray:
-    """E[tokens per round] = 1 + a + ... + a^K for each row's a."""
-    return np.sum(alpha[:, None] ** np.arange(k + 1)[None, :], axis=1)
+from specsamp.decoding.costs import CostCurve
+from specsamp.decoding.stats import expected_tokens
 
 
 @dataclasses.dataclass
 class KPolicy:
     """policy(accepted, tested) -> index into ks, from the running rows' accepted and tested
-    draft tokens so far (see `specsamp.continuous.ContinuousEngine`)."""
+    draft tokens so far (see `specsamp.decoding.continuous.ContinuousEngine`)."""
 
     curve: CostCurve
     ks: Sequence[int]
@@ -67,6 +63,6 @@ AUTO_KS = (0, 1, 2, 4)  # the K values `--k auto` switches between (one program 
 def auto_policy(engine, batch: int, slots: int, ks: Sequence[int] = AUTO_KS) -> KPolicy:
     """The policy for `engine` (its drafter at any K) at `batch` slots of `slots` cache
     slots, from this machine's cost curve (measured on first use, then read from disk)."""
-    from specsamp.costs import cost_curve
+    from specsamp.decoding.costs import cost_curve
 
     return KPolicy(cost_curve(engine, batch, ks, slots), ks)

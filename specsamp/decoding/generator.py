@@ -14,17 +14,15 @@ from typing import Callable, Sequence
 
 import jax
 
-from specsamp.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
-from specsamp.kpolicy import AUTO_KS, K_AUTO
-from specsamp.decode import Program
-from specsamp.drafters import FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from specsamp.drafts import default_draft
-from specsamp.engine import Engine
+from specsamp.decoding.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.factory import build_drafter, file_loader, resolve_auto
+from specsamp.decoding.kpolicy import AUTO_KS, K_AUTO
+from specsamp.decoding.results import Completion
 from specsamp.errors import UserError
 from specsamp.mesh import check_tensor_parallel, make_mesh
 from specsamp.models import Model
-from specsamp.models.sharding import replicate_params
-from specsamp.results import Completion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +31,7 @@ class GeneratorSpec:
     file or a Hugging Face folder. draft: 'none' (plain autoregressive sampling, the
     baseline), 'ngram' (prompt lookup, 'ngram:N' for n-grams up to N), 'early-exit:L' (the
     target's first L layers), a path to a draft model sharing the target's vocabulary or to
-    a feature draft (or a shipped draft's name, `specsamp.drafts`), 'ngram+<feature draft>'
+    a feature draft (or a shipped draft's name, `specsamp.decoding.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
     weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
     `specsamp.loading`), for the target and a separate draft model alike.
@@ -52,7 +50,7 @@ class GeneratorSpec:
     stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
     weights: str = "stored"
-    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.continuous`),
+    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.decoding.continuous`),
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
     tensor_parallel: int = 1
@@ -108,45 +106,18 @@ class Generator:
     """A target (and drafter) loaded once, ready to generate for text prompts."""
 
     def __init__(self, spec: GeneratorSpec):
-        from specsamp.loading import check_same_vocab
-        from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
-
         self.spec = spec
         self.mesh = make_mesh(spec.tensor_parallel)
         self.target = load_model_once(spec.target, spec.weights, self.mesh)
         self.tokenizer = self.target.tokenizer
-        self.draft = default_draft(spec.target) if spec.draft == "auto" else spec.draft
-        kind, arg = parse_draft(self.draft)
-        cfg, sp = self.target.cfg, spec.sampling
+        self.draft = resolve_auto(spec.draft, spec.target)
         k = max(AUTO_KS) if spec.k == K_AUTO else spec.k  # auto: programs for K in AUTO_KS
-        draft_params, drafter = None, None
-        if kind == "ngram":
-            drafter = NgramDrafter(k, cfg.vocab_size, arg)
-        elif kind == "early-exit":
-            if arg >= cfg.n_layers:
-                raise UserError(f"early-exit:{arg} needs fewer layers than the target's {cfg.n_layers}")
-            draft_model, draft_params = Model(cfg, self.mesh).first_layers(self.target.params, arg)
-            drafter = ModelDrafter(draft_model.cfg, k, sp, kind="early-exit")
-        elif kind == "hybrid":
-            n, path = arg
-            if not is_feature_draft(path):
-                raise UserError(f"'ngram+<draft>' needs a feature-conditioned draft (a folder "
-                                f"written by specsamp distill), got {path!r}")
-            draft_cfg, draft_params = load_feature_draft(path, self.target)
-            drafter = HybridDrafter(NgramDrafter(k, cfg.vocab_size, n), FeatureDrafter(draft_cfg, k, sp))
-        elif kind == "model" and is_feature_draft(arg):
-            draft_cfg, draft_params = load_feature_draft(arg, self.target)
-            drafter = FeatureDrafter(draft_cfg, k, sp)
-        elif kind == "model":
-            draft = load_model_once(arg, spec.weights)
-            check_same_vocab(self.target, draft)
-            drafter = ModelDrafter(draft.cfg, k, sp)
-            draft_params = draft.params
-        self.drafter = drafter
+        cfg = self.target.cfg
+        load = file_loader(self.target, lambda path: load_model_once(path, spec.weights))
+        self.drafter, draft_params = build_drafter(self.draft, k, spec.sampling, cfg, self.target.params,
+                                                   load, self.mesh)
         self.engine = Engine(
-            Program(cfg, sp, drafter), self.target.params,
-            # A separate draft is small: a full copy on every device of the mesh.
-            draft_params if kind == "early-exit" else replicate_params(draft_params, self.mesh),
+            Program(cfg, spec.sampling, self.drafter), self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
             rounds_per_call=16 if spec.stop else 1 << 30, mesh=self.mesh,
         )
@@ -209,8 +180,8 @@ class Generator:
         return [self._to_completion(r) for r in raws]
 
     def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
-        from specsamp.continuous import ContinuousEngine
-        from specsamp.kpolicy import auto_policy
+        from specsamp.decoding.continuous import ContinuousEngine
+        from specsamp.decoding.kpolicy import auto_policy
 
         ids = [self.encode_prompt(p) for p in prompts]
         if self._continuous is None:
@@ -267,7 +238,7 @@ class Generator:
         """Measured draft step time / target step time on this machine (0 for n-gram,
         NaN for the baseline). Measured once, lazily."""
         if self._cost_ratio is None:
-            from specsamp.costs import measure_cost_ratio
+            from specsamp.decoding.costs import measure_cost_ratio
 
             self._cost_ratio = measure_cost_ratio(self.engine) if self.drafter else math.nan
         return self._cost_ratio

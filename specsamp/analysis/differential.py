@@ -22,7 +22,7 @@ import concurrent.futures
 import dataclasses
 import math
 
-from specsamp.sandbox import Limits, Sandbox
+from specsamp.analysis.sandbox import Limits, Sandbox
 
 FLOAT_TOL = 1e-6
 

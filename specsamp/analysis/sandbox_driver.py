@@ -1,6 +1,6 @@
 """Runs inside the sandbox: executes programs and reports plain data (stdlib only).
 
-Started by `specsamp.sandbox` as `python -s -S -B -P -c <this source>`, never imported. It talks
+Started by `specsamp.analysis.sandbox` as `python -s -S -B -P -c <this source>`, never imported. It talks
 to the trusted parent over its stdin and stdout pipes in frames (4-byte big-endian length,
 then UTF-8 JSON), which it moves to private fds before any program runs; the program's own
 stdin, stdout and stderr are /dev/null. Jobs (the "kind" of the first frame):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specsamp.config import SamplingParams
+from specsamp.decoding.config import SamplingParams
 
 
 def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:

@@ -9,21 +9,19 @@ the same shapes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from specsamp.acceptance import accept_batch
-from specsamp.config import SamplingParams
-from specsamp.models import Model, ModelConfig, init_cache
-from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import (
+from specsamp.decoding.acceptance import accept_batch
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.drafters import Drafter
+from specsamp.decoding.sampling import probs_from_logits, sample
+from specsamp.decoding.state import (
     RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
     write_window,
 )
-
-Drafter = Any  # one of specsamp.drafters' drafters (hashable dataclasses)
+from specsamp.models import Model, ModelConfig, init_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from specsamp.config import SamplingParams
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.sampling import probs_from_logits, sample
+from specsamp.decoding.state import RUNNING, DecodeState, gather_window, prefix_positions
 from specsamp.models import Model, ModelConfig
 from specsamp.models.feature_draft import FeatureModel
-from specsamp.sampling import probs_from_logits, sample
-from specsamp.state import RUNNING, DecodeState, gather_window, prefix_positions
 
 
 class Proposal(NamedTuple):
@@ -42,19 +42,36 @@ class Proposal(NamedTuple):
 
 
 class Drafter(Protocol):
-    """What the decoding loop needs from a drafter (all are hashable frozen dataclasses,
-    static arguments of the compiled programs)."""
+    """What the decoding loop needs from a drafter.
 
-    k: int
+    A drafter is a hashable frozen dataclass: it is a static argument of the compiled
+    programs (`decode.Program`), so two equal drafters share one compiled program, and
+    everything that changes between calls (weights, tokens, keys) comes in as arguments.
+    Drafters are built from a draft string by `factory.build_drafter` only.
+
+    Exactness rests on `propose`: for each row, `p[b, i]` must be the distribution
+    `draft[b, i]` was drawn from (a point mass for a deterministic proposal), computed from
+    that row's own tokens, the draft params and `keys[b]` only, never from its batch-mates
+    or its slot; the rejection rule (`acceptance.py`) then makes the output the target's.
+    """
+
+    k: int  # draft tokens proposed per round
     needs_features: bool  # reads the target's hidden states (DecodeState.features)
+    kind: str  # for names and statistics: 'model', 'early-exit', 'feature', 'ngram', 'ngram+feature'
 
     @property
-    def uses_cache(self) -> bool: ...  # owns DecodeState.draft_cache
+    def uses_cache(self) -> bool:
+        """True when the drafter owns DecodeState.draft_cache; it then has a `cfg`
+        (ModelConfig) from which the loop allocates that cache, and a `prefill`."""
 
     @property
-    def calls_per_round(self) -> int: ...
+    def calls_per_round(self) -> int:
+        """Draft model calls of one round (0 for lookup); Proposal.calls overrides it per
+        row when rounds differ."""
 
-    def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal: ...
+    def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal:
+        """K draft tokens per row, with their distributions, from the decode state at each
+        row's current position; `keys` [B] are the rows' draft keys of this round."""
 
     def prefill(self, params, tokens: jax.Array, state: DecodeState) -> Any:
         """The draft cache after feeding tokens [B, W] at positions 0..W-1 (drafters with a
@@ -214,6 +231,7 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     needs_features = False
+    kind = "ngram"
 
     @property
     def uses_cache(self) -> bool:

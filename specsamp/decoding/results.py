@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from specsamp.decoding import stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -11,7 +12,7 @@ class Completion:
     """One generated sample and its per-sample statistics.
 
     Statistics describe exactly the emitted tokens (`token_ids`): when a stop string ends
-    the sample, the rounds the loop ran past it are cut away (`specsamp.rounds`).
+    the sample, the rounds the loop ran past it are cut away (`specsamp.decoding.rounds`).
 
     Timing: `prefill_s` and `decode_s` are wall-clock seconds of already compiled programs
     (compilation is timed apart, in `compile_s`). `prefill_s` is the batch's prefill;
@@ -40,12 +41,12 @@ class Completion:
 
     @property
     def acceptance_rate(self) -> float:
-        drafted = self.k * len(self.accepted_per_loop)
-        return sum(self.accepted_per_loop) / drafted if drafted else math.nan
+        accepted, drafted, _ = stats.loop_counts(self.accepted_per_loop, self.k)
+        return stats.acceptance_rate(accepted, drafted)
 
     @property
     def tokens_per_call(self) -> float:
-        return self.generated_tokens / self.target_calls if self.target_calls else math.nan
+        return stats.tokens_per_call(self.generated_tokens, self.target_calls)
 
     @property
     def total_s(self) -> float:
@@ -53,8 +54,7 @@ class Completion:
 
     @property
     def ms_per_token(self) -> float:
-        n = self.generated_tokens
-        return 1000.0 * self.decode_s / n if n else math.nan
+        return stats.ms_per_token(self.decode_s, self.generated_tokens)
 
     def stats(self) -> dict:
         """Every statistic as plain JSON-able values."""

@@ -18,7 +18,8 @@ import math
 import os
 import re
 
-from specsamp import report
+from specsamp.analysis import report
+from specsamp.decoding import stats
 
 _DPI = 150
 
@@ -167,8 +168,7 @@ def _histogram_figure(plt, spec, title: str, path: str) -> str:
         shares = [g.accepted_histogram.get(x, 0) / total for x in xs]
         ax.bar(xs, shares, color="C0", alpha=0.8, label="measured")
         if g.alpha is not None:
-            a = g.alpha
-            model = [a**x * (1 - a) for x in xs[:-1]] + [a**g.k]
+            model = stats.accepted_distribution(g.alpha, g.k)
             ax.plot(xs, model, "o", color="C3", ms=4, label="model: alpha^j (1 - alpha), alpha^K at j = K")
         alpha = "" if g.alpha is None else f", alpha {g.alpha:.2f}"
         ax.set_title(f"K={g.k} ({total} loops{alpha})", fontsize=9)
@@ -195,8 +195,7 @@ def _position_figure(plt, spec, title: str, path: str) -> str:
                 color=cmap((g.k - 1) / max(kmax - 1, 1) * 0.9), label=f"K={g.k}")
     widest = spec[-1]
     if widest.alpha is not None:  # i.i.d. model: position i is kept with chance alpha^i
-        pos = range(1, kmax + 1)
-        ax.plot(pos, [widest.alpha**i for i in pos], "--", color="0.4", lw=1,
+        ax.plot(range(1, kmax + 1), stats.kept_by_position(widest.alpha, kmax), "--", color="0.4", lw=1,
                 label=f"alpha^i, alpha={widest.alpha:.2f} (K={kmax})")
     ax.set(xlabel="draft position i", ylabel="P(position i kept)", ylim=(0, 1.02),
            title=f"Acceptance by draft position ({title})")

@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from specsamp.continuous import ContinuousEngine
-from specsamp.kpolicy import AUTO_KS, auto_policy
+from specsamp.decoding import stats
+from specsamp.decoding.continuous import ContinuousEngine
+from specsamp.decoding.kpolicy import AUTO_KS, auto_policy
 
 AUTO = "auto"
 
@@ -103,21 +104,17 @@ def run_throughput(
     return rows
 
 
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else float("nan")
-
-
 def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
-    decode = _rate(m.generated, m.decode_s)
-    base_decode = _rate(base.generated, base.decode_s)
+    decode = stats.ratio(m.generated, m.decode_s)
+    base_decode = stats.ratio(base.generated, base.decode_s)
     return {
         "batch_size": batch, "batching": batching, "drafter": drafter, "k": k,
-        "prefill_tokens_per_s": _rate(m.prompt_tokens, m.prefill_s),
+        "prefill_tokens_per_s": stats.ratio(m.prompt_tokens, m.prefill_s),
         "decode_tokens_per_s": decode,
-        "tokens_per_s": _rate(m.generated, m.prefill_s + m.decode_s),
-        "ar_tokens_per_s": _rate(base.generated, base.prefill_s + base.decode_s),
+        "tokens_per_s": stats.ratio(m.generated, m.prefill_s + m.decode_s),
+        "ar_tokens_per_s": stats.ratio(base.generated, base.prefill_s + base.decode_s),
         "ar_decode_tokens_per_s": base_decode,
-        "speedup": decode / base_decode,
+        "speedup": stats.ratio(decode, base_decode),
         "prompts": m.prompts, "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated,
         "prefill_s": m.prefill_s, "decode_s": m.decode_s,
         "k_rounds": {str(key): v for key, v in sorted(m.k_rounds.items())},

@@ -7,7 +7,7 @@ jitted calls instead adds the host dispatch and a copy of the whole cache to eve
 ~10 ms here, which inflates step costs and flattens their ratios.) N-gram costs ~0.
 
 `cost_curve` measures the same at a batch size: the seconds of a plain step, of scoring K+1
-tokens and of a draft call, for the batch-aware K policy (`specsamp.kpolicy`).
+tokens and of a draft call, for the batch-aware K policy (`specsamp.decoding.kpolicy`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def _steps(model, params, tokens, positions, cache):
 
 def _plain(cfg: ModelConfig):
     """The plain decoder's forward, in the drafters' `forward` form."""
-    from specsamp.config import SamplingParams
-    from specsamp.drafters import ModelDrafter
+    from specsamp.decoding.config import SamplingParams
+    from specsamp.decoding.drafters import ModelDrafter
 
     return ModelDrafter(cfg, 1, SamplingParams())
 

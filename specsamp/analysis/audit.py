@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from specsamp.decoding.sampling import probs_from_logits
 from specsamp.models import Model
-from specsamp.sampling import probs_from_logits
 
 ENDED = -1
 

@@ -1,6 +1,6 @@
 """Host side of decoding: pads prompts to fixed shapes, compiles the batch's programs
 before any clock starts (`specsamp.compilation`), times their execution only, and turns the
-final state into `RawSample`s. Works on token ids; text lives in `specsamp.generator`.
+final state into `RawSample`s. Works on token ids; text lives in `specsamp.decoding.generator`.
 
 Shapes are bucketed so that few programs are compiled: prompts pad to a power of two
 (at least 32), the cache to a multiple of 128 slots.
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
-from specsamp.decode import Program, decode, new_state, prefill
+from specsamp.decoding.decode import Program, decode, new_state, prefill
+from specsamp.decoding.rounds import Rounds, from_log
+from specsamp.decoding.state import STOP_REASONS
 from specsamp.errors import UserError
-from specsamp.rounds import Rounds, from_log
-from specsamp.state import STOP_REASONS
 
 _MIN_BUCKET = 32
 
