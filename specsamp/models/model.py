@@ -49,10 +49,13 @@ class Model:
             {"params": params}, tokens, positions, cache, head=head)
 
     def full_forward(self, params, tokens, head: bool = True):
-        """Teacher-forced pass over tokens [B, T] at positions 0..T-1 with a fresh cache."""
+        """Teacher-forced pass over tokens [B, T] at positions 0..T-1 with a fresh cache.
+        On XLA's attention: training differentiates it (the kernel has no gradient), and a
+        fresh cache has no unused slots for the kernel to skip."""
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        out, _ = self.forward(params, tokens, positions, self.init_cache(b, t), head=head)
+        model = dataclasses.replace(self, attention="xla")
+        out, _ = model.forward(params, tokens, positions, self.init_cache(b, t), head=head)
         return out
 
     def logits(self, params, hidden):
