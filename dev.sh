@@ -28,7 +28,7 @@ setup() {
   # The stamp skips a reinstall when neither the dependencies nor the native kernels changed.
   local stamp="$VENV/.specsamp-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-      || [ -n "$(find specsamp/quant -name '*.cc' -newer "$stamp")" ]; then
+      || [ -n "$(find specsamp/quant \( -name '*.cc' -o -name '*.h' \) -newer "$stamp")" ]; then
     echo "dev.sh: installing specsamp and its dependencies into $VENV (about 1.8 GB, a few minutes)" >&2
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     # One short line per package as pip fetches it, instead of minutes of silence.

@@ -12,14 +12,13 @@
 // compiled for AVX-512, AVX2 and plain x86-64 and chosen at load time (target_clones).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
+#include <limits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -107,26 +106,6 @@ void attend_group(const Shape& s, int64_t b, int64_t j, const float* q, const in
   }
 }
 
-// (row, KV head) groups taken from a shared counter by the caller and by pool threads;
-// the caller waits only for groups in flight (as in qkernels.cc).
-struct Work {
-  Shape s;
-  const float *q, *kc, *vc;
-  const int32_t* pos;
-  float* out;
-  int64_t groups;
-  std::atomic<int64_t> next{0}, done{0};
-  void run() {
-    std::vector<float> scores(s.slots);
-    for (int64_t i; (i = next.fetch_add(1)) < groups;) {
-      const int64_t b = i / s.kv_heads, j = i % s.kv_heads;
-      const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + j) * s.slots * s.dim;
-      attend_group(s, b, j, q, pos, kc + at, vc + at, out, scores.data());
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // Write new [B, T, J, E] at each token's position into cache [L, B, J, S, E], layer s.layer.
 void write_cache(const Shape& s, const float* fresh, const int32_t* pos, float* cache) {
   for (int64_t b = 0; b < s.batch; ++b)
@@ -167,19 +146,17 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   write_cache(s, k.typed_data(), pos, k_out->typed_data());
   write_cache(s, v.typed_data(), pos, v_out->typed_data());
 
-  auto work = std::make_shared<Work>();
-  work->s = s;
-  work->q = q.typed_data();
-  work->kc = k_out->typed_data();
-  work->vc = v_out->typed_data();
-  work->pos = pos;
-  work->out = out->typed_data();
-  work->groups = s.batch * s.kv_heads;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
-                                            work->groups - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->groups) std::this_thread::yield();
+  // (row, KV head) groups, split between the caller and the pool (parallel.h).
+  const float *queries = q.typed_data(), *kc = k_out->typed_data(), *vc = v_out->typed_data();
+  float* o = out->typed_data();
+  specsamp::parallel_for(pool, s.batch * s.kv_heads, std::numeric_limits<int64_t>::max(),
+                         [&](int64_t i) {
+    thread_local std::vector<float> scores;  // scratch [S] per thread
+    scores.resize(s.slots);
+    const int64_t b = i / s.kv_heads, j = i % s.kv_heads;
+    const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + j) * s.slots * s.dim;
+    attend_group(s, b, j, queries, pos, kc + at, vc + at, o, scores.data());
+  });
   return ffi::Error::Success();
 }
 

@@ -13,18 +13,16 @@
 //
 // Vector code for AVX-512 and AVX2 is compiled per function (target attributes) and
 // chosen at run time from the CPU's flags; other machines use the portable loop.
-// Work is split by output rows between the calling thread and XLA's intra-op pool.
+// Work is split by output rows between the calling thread and XLA's intra-op pool (parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -304,41 +302,18 @@ Kernel pick(bool q4, int64_t block) {
   return q4 ? q4_portable : q8_portable;
 }
 
-// Output rows in chunks, taken from a shared counter by the caller and by one pool task:
-// whoever is free takes the next chunk, and the caller waits only for chunks in flight,
-// so a busy (or one-thread) pool can never block the call.
-struct Shared {
-  Problem p;
-  Kernel kernel;
-  int64_t chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      const int64_t n0 = c * chunk, n1 = std::min(p.n, n0 + chunk);
-      for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows)
-        kernel(p, n0, n1, r0, std::min<int64_t>(kMaxRows, p.rows - r0));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
+// Output rows in chunks of 64, split between the caller and the pool (parallel.h).
 void run(const Problem& p, Kernel kernel, ffi::ThreadPool& pool) {
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->kernel = kernel;
-  shared->chunk = 64;
-  shared->chunks = (p.n + shared->chunk - 1) / shared->chunk;
-  // The caller works too, so one helper fewer than the pool's threads keeps one thread per
-  // core (an extra thread gets preempted holding a chunk, and the call waits a time slice).
+  constexpr int64_t chunk = 64;
   static const int64_t cap = [] {
     const char* v = std::getenv("SPECSAMP_KERNEL_HELPERS");
     return v ? std::atoll(v) : int64_t{63};
   }();
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), cap);
-  if (shared->chunks > 1)
-    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  specsamp::parallel_for(pool, (p.n + chunk - 1) / chunk, cap, [&p, kernel](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(p.n, n0 + chunk);
+    for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows)
+      kernel(p, n0, n1, r0, std::min<int64_t>(kMaxRows, p.rows - r0));
+  });
 }
 
 // Byte offset of layer `layer` in a stack [L, ...] of `bytes` bytes per layer, or -1.
