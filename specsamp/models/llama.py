@@ -235,11 +235,13 @@ def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
     stacked = module.variables["params"]["layers"]
     block = Block(module.cfg, parent=None)  # a free module, applied to one layer at a time
 
+    def weights(i):  # layer i's view of the stacked weights
+        return {"params": jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)}
+
     if attention == "cpu":
         def carried(carry, i):
             x, k, v = carry
-            layer = jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)
-            x, (k, v) = block.apply({"params": layer}, x, (k, v), cos, sin, positions, i)
+            x, (k, v) = block.apply(weights(i), x, (k, v), cos, sin, positions, i)
             return (x, k, v), None
 
         (x, k, v), _ = jax.lax.scan(carried, (x, cache.k, cache.v),
@@ -248,8 +250,7 @@ def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
 
     def body(x, inputs):
         i, k, v = inputs
-        layer = jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)
-        x, (k, v) = block.apply({"params": layer}, x, (k, v), cos, sin, positions)
+        x, (k, v) = block.apply(weights(i), x, (k, v), cos, sin, positions)
         return x, (k, v)
 
     x, (k, v) = jax.lax.scan(body, x, (jnp.arange(cache.k.shape[0]), cache.k, cache.v))
