@@ -129,3 +129,36 @@ def test_layer_view_reads_the_right_layer():
             view = jax.jit(lambda w, i: matmul(x, layer_view(w, i)))(w, jnp.int32(i))
             want = matmul(x, qweight(layers[i], "xla"))
             np.testing.assert_allclose(np.asarray(view), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_one_call_for_several_matrices(kind):
+    """Catches a multi-matrix kernel call (q, k, v in one call) that mixes up its
+    matrices, their layers or their outputs' chunks: each output equals its own
+    single-matrix call exactly, for stacked layer views, and the call is one kernel call."""
+    _kernel_or_skip()
+    from specsamp.quant import layer_view, matmul_many
+
+    shapes = [(200, 96), (70, 96), (64, 96)]  # rows not multiples of the 64-row chunk
+    stacks = []
+    for m, (n, c) in enumerate(shapes):
+        layers = [from_gguf_blocks(random_blocks(kind, n, c, seed=20 + 3 * m + i), kind, n, c)
+                  for i in range(3)]
+        stacks.append(qweight({k: None if layers[0][k] is None else np.stack([f[k] for f in layers])
+                               for k in layers[0]}, "cpu"))
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(5, 96)).astype(np.float32))
+
+    def together(ws, i):
+        return matmul_many(x, [layer_view(w, i) for w in ws])
+
+    def alone(ws, i):
+        return [matmul(x, layer_view(w, i)) for w in ws]
+
+    text = jax.jit(together).lower(stacks, jnp.int32(1)).as_text()
+    assert text.count("specsamp_qmatmul") == 1
+    for i in range(3):
+        got = jax.jit(together)(stacks, jnp.int32(i))
+        want = jax.jit(alone)(stacks, jnp.int32(i))
+        for g, w, (n, _) in zip(got, want, shapes):
+            assert g.shape == (5, n)
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

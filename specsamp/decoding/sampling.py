@@ -12,6 +12,8 @@ min(1, q/p), and the arrays in the residual (q - p)+. Nothing mutates them in be
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -22,7 +24,7 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """logits [..., V] -> probabilities [..., V] float32. `sp` is static."""
     logits = logits.astype(jnp.float32)
     if sp.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=jnp.float32)
     logits = logits / sp.temperature
     neg = jnp.finfo(jnp.float32).min
     if 0 < sp.top_k < logits.shape[-1]:
@@ -73,9 +75,57 @@ def _smallest_kept(sorted_p: jax.Array, mass: jax.Array, top_p: float) -> jax.Ar
     return jnp.min(jnp.where(mass_before < top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """argmax over the last axis, first index on ties (as jnp.argmax), as two vectorised
+    reductions: XLA:CPU's fused argmax is 3-4x slower over a 49k vocabulary."""
+    v = x.shape[-1]
+    at_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(at_max, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
+
+
+_BLOCK = 256  # inverse-CDF sampling: running mass over blocks, then within the chosen block
+
+
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per row of probs [..., V] (zeros are never drawn)."""
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+    """One token per row of probs [..., V] (zeros are never drawn).
+
+    Inverse CDF with one uniform draw per row: the token whose running mass first exceeds
+    u x total. Gumbel-max over the vocabulary (jax.random.categorical) draws V random
+    numbers, ~1.3 ms per row on a CPU, more than the rest of a quantized decode step. The
+    running mass is taken in two levels (block sums, then one block of 256), which costs
+    a reduction over V instead of a 49k-long prefix sum."""
+    lead, v = probs.shape[:-1], probs.shape[-1]
+    if not lead:
+        return _sample_row(key, probs)
+    keys = jax.random.split(key, math.prod(lead))
+    return jax.vmap(_sample_row)(keys, probs.reshape(-1, v)).reshape(lead)
+
+
+def _sample_row(key: jax.Array, p: jax.Array) -> jax.Array:
+    v = p.shape[0]
+    pad = -v % _BLOCK
+    blocks = jnp.pad(p, (0, pad)).reshape(-1, _BLOCK)
+    sums = jnp.sum(blocks, axis=1)
+    mass = jnp.cumsum(sums)
+    t = jax.random.uniform(key, (), jnp.float32) * mass[-1]
+    # The first block whose running mass exceeds t (the last block with mass if rounding
+    # put t at the total); then the same rule inside it, against t minus the mass before.
+    b = _first_above(mass, t, sums > 0)
+    before = jnp.where(b > 0, mass[jnp.maximum(b - 1, 0)], 0.0)
+    row = jax.lax.dynamic_index_in_dim(blocks, b, keepdims=False)
+    j = _first_above(jnp.cumsum(row), t - before, row > 0)
+    return (b * _BLOCK + j).astype(jnp.int32)
+
+
+def _first_above(running: jax.Array, t: jax.Array, positive: jax.Array) -> jax.Array:
+    """Index of the first entry with a positive increment whose running mass is above t;
+    where none is (t rounded up to the total), the last entry with a positive increment.
+    Entries with a zero increment are never chosen (exactly: not by way of rounding)."""
+    n = running.shape[0]
+    iota = jnp.arange(n, dtype=jnp.int32)
+    idx = jnp.min(jnp.where((running > t) & positive, iota, n))
+    last = jnp.max(jnp.where(positive, iota, -1))
+    return jnp.where(idx >= n, last, idx)
 
 
 def residual(q: jax.Array, p: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specsamp.quant import dequantize_rows, is_quantized, matmul
+from specsamp.quant import dequantize_rows, is_quantized, matmul, matmul_many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +102,17 @@ class Linear(nn.Module):
         return y
 
 
+def _linears(module: nn.Module, x, specs):
+    """Linear(features, use_bias, name)(x) for each (name, features, use_bias) of specs,
+    declared in `module`. Where every kernel is a quantized weight on the native kernels
+    and none has a bias (q, k, v; gate, up), the products run as one kernel call."""
+    params = {} if module.is_initializing() else module.variables.get("params", {})
+    kernels = [params.get(name, {}).get("kernel") for name, _, _ in specs]
+    if all(is_quantized(k) for k in kernels) and not any(bias for _, _, bias in specs):
+        return [y.astype(x.dtype) for y in matmul_many(x, kernels)]
+    return [Linear(features, use_bias=bias, name=name)(x) for name, features, bias in specs]
+
+
 class Embed(nn.Module):
     """nn.Embed over a float or quantized table [V, D]: lookup, and `attend` (the tied head)."""
 
@@ -167,9 +178,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = Linear(h * e, use_bias=cfg.qkv_bias, name="q")(x).reshape(b, t, h, e)
-        k = Linear(j * e, use_bias=cfg.qkv_bias, name="k")(x).reshape(b, t, j, e)
-        v = Linear(j * e, use_bias=cfg.qkv_bias, name="v")(x).reshape(b, t, j, e)
+        q, k, v = _linears(self, x, [(name, n * e, cfg.qkv_bias)
+                                     for name, n in (("q", h), ("k", j), ("v", j))])
+        q, k, v = q.reshape(b, t, h, e), k.reshape(b, t, j, e), v.reshape(b, t, j, e)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if layer is not None:
             from specsamp.quant.kernels import attend
@@ -196,8 +207,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        gate = Linear(self.cfg.d_ff, use_bias=False, name="gate")(x)
-        up = Linear(self.cfg.d_ff, use_bias=False, name="up")(x)
+        gate, up = _linears(self, x, [("gate", self.cfg.d_ff, False), ("up", self.cfg.d_ff, False)])
         return Linear(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
 
 

@@ -125,6 +125,21 @@ def matmul(x: jax.Array, w) -> jax.Array:
     return jnp.einsum("...c,rc->...r", x.astype(jnp.float32), rows)
 
 
+def matmul_many(x: jax.Array, ws) -> list[jax.Array]:
+    """[matmul(x, w) for w in ws]: one native kernel call where all of ws are on the
+    kernels in one format (the same numbers as separate calls: each output is computed
+    alone), separate products otherwise."""
+    if len(ws) > 1 and all(isinstance(w, QWeight) and w.backend == "cpu" for w in ws):
+        from specsamp.quant import kernels
+
+        first = ws[0]
+        if all(kernels.supports(w) and w.bits == first.bits and w.cols == first.cols
+               and (w.layer is None) == (first.layer is None)
+               and (w.layer is None or w.layer is first.layer) for w in ws):
+            return kernels.qmatmul_many(x, ws)
+    return [matmul(x, w) for w in ws]
+
+
 # ---- building blocks on the host (numpy), from GGUF block bytes or float matrices
 
 

@@ -20,8 +20,7 @@ import numpy as np
 
 _LOCK = threading.Lock()
 _STATE: dict = {}
-_TARGETS = {"specsamp_q4_matmul": "SpecsampQ4Matmul", "specsamp_q8_matmul": "SpecsampQ8Matmul",
-            "specsamp_attend": "SpecsampAttend"}
+_TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -84,24 +83,34 @@ def supports(w) -> bool:
 
 
 def qmatmul(x: jax.Array, w) -> jax.Array:
-    """x [..., C] @ W.T with W [N, C] in blocks, on the kernels. A layer view (w.layer
-    set) passes the whole stack [L, N, ...] and the index: the kernel reads the layer in
-    place, so XLA copies nothing."""
+    """x [..., C] @ W.T with W [N, C] in blocks, on the kernels."""
+    return qmatmul_many(x, [w])[0]
+
+
+def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
+    """[x @ W.T for W in ws] in one kernel call (one split of the work, one dispatch): the
+    weights must share their format (4 or 8 bits), their input width and, for layer views,
+    the layer index. A layer view (w.layer set) passes the whole stack [L, N, ...] and the
+    index: the kernel reads the layer in place, so XLA copies nothing."""
     lead, c = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, c).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32)
-    if w.layer is None:
-        stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
-        layer, codes, scale, minimum = jnp.int32(0), stack(w.codes), stack(w.scale), stack(w.min)
-    else:
-        layer, codes, scale, minimum = w.layer, w.codes, w.scale, w.min
-    if codes.ndim != 3:
-        raise ValueError(f"kernel operands must be one matrix or one stack, got {codes.shape}")
-    if w.bits == 4:
-        y = jax.ffi.ffi_call("specsamp_q4_matmul", out)(layer, x2, codes, scale, minimum)
-    else:
-        y = jax.ffi.ffi_call("specsamp_q8_matmul", out)(layer, x2, codes, scale)
-    return y.reshape(*lead, w.rows)
+    bits, layer = ws[0].bits, ws[0].layer
+    operands, outs = [], []
+    for w in ws:
+        if w.bits != bits or (w.layer is None) != (layer is None):
+            raise ValueError("one kernel call takes weights of one format, all layer views or none")
+        if w.layer is None:
+            stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
+            codes, scale, minimum = stack(w.codes), stack(w.scale), stack(w.min)
+        else:
+            codes, scale, minimum = w.codes, w.scale, w.min
+        if codes.ndim != 3:
+            raise ValueError(f"kernel operands must be one matrix or one stack, got {codes.shape}")
+        operands += [codes, scale] + ([minimum] if bits == 4 else [])
+        outs.append(jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32))
+    index = jnp.int32(0) if layer is None else layer
+    ys = jax.ffi.ffi_call("specsamp_qmatmul", outs)(index, x2, *operands, bits=np.int32(bits))
+    return [y.reshape(*lead, w.rows) for y, w in zip(ys, ws)]
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float):

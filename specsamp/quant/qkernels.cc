@@ -7,19 +7,22 @@
 //   q4: codes uint8 [L, N, C/2] (GGUF nibble order), scale and min float16 [L, N, C/32]
 //   q8: codes int8 [L, N, C], scale float16 or float32 [L, N, C/block]
 // Each weight is decoded once to float32 and used for all R rows, so a call reads the
-// stored bytes once: a decode step is bound by memory bandwidth, not by arithmetic.
+// stored bytes once: one row is bound by memory bandwidth, several by the FMA units.
+// One call may take several matrices of the same input (q, k, v; gate, up).
 // Each output y[r, n] is accumulated in the same order whatever R is, so scoring K+1
 // tokens gives the same numbers as K+1 single steps.
 //
 // Vector code for AVX-512 and AVX2 is compiled per function (target attributes) and
 // chosen at run time from the CPU's flags; other machines use the portable loop.
-// Work is split by output rows between the calling thread and XLA's intra-op pool (parallel.h).
+// Work is split by output rows between the calling thread and helper threads (parallel.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel.h"
@@ -131,25 +134,42 @@ __attribute__((target("f16c"))) inline float scale_x86(const Problem& p, int64_t
                      : _cvtsh_ss(static_cast<const uint16_t*>(p.scale)[i]);
 }
 
+constexpr int64_t kMaxBlocks = 512;  // blocks per matrix row the vector paths take (C <= 16384)
+
+// One row's float16 scales (or minimums) as float32, 16 at a time.
+__attribute__((target("avx512f,f16c,fma")))
+inline void halves_to_floats(const uint16_t* h, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm512_store_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < count; ++i) out[i] = _cvtsh_ss(h[i]);
+}
+
 // ---- AVX-512: 16 lanes. NR rows at once with two accumulators each (a q4 block is two
 // vectors: inputs 0..15 from the low nibbles, 16..31 from the high), all in registers.
+// The block's 16 possible weights code * scale + min, one FMA, then two lookups
+// (vpermps reads the low 4 bits of each index: the low nibble as is, the high one after a
+// shift), instead of converting 32 codes to float: fewer floating-point operations per
+// block, which is what bounds the kernel once several rows share the decoded weights.
+// The values are exactly the per-weight fmadd(code, scale, min) of the other paths.
 template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
 void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / 32;
-  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float d[kMaxBlocks + 16], m[kMaxBlocks + 16];
   for (int64_t n = n0; n < n1; ++n) {
     __m512 a0[NR], a1[NR];
     for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     const uint8_t* qrow = p.codes + n * (p.cols / 2);
+    halves_to_floats(static_cast<const uint16_t*>(p.scale) + n * nb, nb, d);
+    halves_to_floats(p.min + n * nb, nb, m);
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 d = _mm512_set1_ps(scale_x86(p, n * nb + b));
-      const __m512 m = _mm512_set1_ps(_cvtsh_ss(p.min[n * nb + b]));
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * 16));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
-      const __m512 w0 = _mm512_fmadd_ps(lo, d, m), w1 = _mm512_fmadd_ps(hi, d, m);
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]));
+      const __m512i q = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + b * 16)));
+      const __m512 w0 = _mm512_permutexvar_ps(q, table);
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
       const float* xb = p.x + r0 * p.cols + b * 32;
       for (int r = 0; r < NR; ++r) {
         a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * p.cols), a0[r]);
@@ -165,11 +185,17 @@ template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
 void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / p.block;
+  alignas(64) float ds[kMaxBlocks + 16];
   for (int64_t n = n0; n < n1; ++n) {
     __m512 a0[NR], a1[NR];
     for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const float* drow = ds;
+    if (p.scale_f32)
+      drow = static_cast<const float*>(p.scale) + n * nb;
+    else
+      halves_to_floats(static_cast<const uint16_t*>(p.scale) + n * nb, nb, ds);
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 d = _mm512_set1_ps(scale_x86(p, n * nb + b));
+      const __m512 d = _mm512_set1_ps(drow[b]);
       const uint8_t* q = p.codes + n * p.cols + b * p.block;
       const float* xb = p.x + r0 * p.cols + b * p.block;
       int64_t j = 0;
@@ -293,24 +319,32 @@ int isa() {  // 2: AVX-512, 1: AVX2, 0: portable (SPECSAMP_ISA=portable|avx2 cap
   return level;
 }
 
-Kernel pick(bool q4, int64_t block) {
+Kernel pick(bool q4, int64_t block, int64_t cols) {
 #ifdef SPECSAMP_X86
   const int level = isa();
-  if (level == 2 && (q4 || block % 16 == 0)) return q4 ? q4_avx512_rows : q8_avx512_rows;
+  if (level == 2 && (q4 || block % 16 == 0) && cols / block <= kMaxBlocks)
+    return q4 ? q4_avx512_rows : q8_avx512_rows;
   if (level >= 1 && (q4 || block % 8 == 0)) return q4 ? q4_avx2_rows : q8_avx2_rows;
 #endif
   return q4 ? q4_portable : q8_portable;
 }
 
-// Output rows in chunks of 64, split between the caller and the pool (parallel.h).
-void run(const Problem& p, Kernel kernel, ffi::ThreadPool& pool) {
+// Output rows in chunks of 64 over all of a call's matrices, split between the caller
+// and the helpers (parallel.h).
+void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   constexpr int64_t chunk = 64;
-  static const int64_t cap = [] {
-    const char* v = std::getenv("SPECSAMP_KERNEL_HELPERS");
-    return v ? std::atoll(v) : int64_t{63};
-  }();
-  specsamp::parallel_for(pool, (p.n + chunk - 1) / chunk, cap, [&p, kernel](int64_t c) {
-    const int64_t n0 = c * chunk, n1 = std::min(p.n, n0 + chunk);
+  std::vector<std::pair<int64_t, Kernel>> firsts;  // (first chunk, kernel) per matrix
+  int64_t chunks = 0;
+  for (const Problem& p : problems) {
+    firsts.emplace_back(chunks, pick(p.min != nullptr, p.block, p.cols));
+    chunks += (p.n + chunk - 1) / chunk;
+  }
+  specsamp::parallel_for(pool, chunks, int64_t{1} << 20, [&](int64_t c) {
+    size_t m = firsts.size() - 1;
+    while (firsts[m].first > c) --m;
+    const Problem& p = problems[m];
+    const Kernel kernel = firsts[m].second;
+    const int64_t n0 = (c - firsts[m].first) * chunk, n1 = std::min(p.n, n0 + chunk);
     for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows)
       kernel(p, n0, n1, r0, std::min<int64_t>(kMaxRows, p.rows - r0));
   });
@@ -322,64 +356,77 @@ int64_t layer_offset(ffi::Buffer<ffi::S32> layer, int64_t stack, int64_t bytes) 
   return (i < 0 || i >= stack) ? -1 : i * bytes;
 }
 
-ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                  ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scale,
-                  ffi::Buffer<ffi::F16> min, ffi::ResultBuffer<ffi::F32> y) {
+// One matrix of a call: its operands from `args` at `at` (q4: codes, scale, min; q8:
+// codes, scale), its output `ret`.
+ffi::Error problem(int bits, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                   const ffi::RemainingArgs& args, size_t at, ffi::Result<ffi::AnyBuffer> ret,
+                   Problem* p) {
+  auto codes_or = args.get<ffi::AnyBuffer>(at), scale_or = args.get<ffi::AnyBuffer>(at + 1),
+       min_or = args.get<ffi::AnyBuffer>(bits == 4 ? at + 2 : at + 1);
+  for (auto* v : {&codes_or, &scale_or, &min_or})
+    if (v->has_error()) return v->error();
+  const ffi::AnyBuffer codes = codes_or.value(), scale = scale_or.value(), min = min_or.value();
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] != 2 * cd[2] || xd[1] % 32 ||
-      sd[2] * 32 != xd[1] || sd[1] != cd[1] || sd[0] != cd[0] || min.dimensions().size() != 3 ||
-      min.dimensions()[1] != sd[1] || min.dimensions()[2] != sd[2] || min.dimensions()[0] != sd[0])
+  const bool f32 = scale.element_type() == ffi::DataType::F32;
+  if (bits == 4) {
+    const auto md = min.dimensions();
+    if (codes.element_type() != ffi::DataType::U8 || scale.element_type() != ffi::DataType::F16 ||
+        min.element_type() != ffi::DataType::F16 || xd.size() != 2 || cd.size() != 3 ||
+        sd.size() != 3 || md.size() != 3 || xd[1] != 2 * cd[2] || xd[1] % 32 ||
+        sd[2] * 32 != xd[1] || sd[1] != cd[1] || sd[0] != cd[0] || md[0] != sd[0] ||
+        md[1] != sd[1] || md[2] != sd[2])
+      return ffi::Error::InvalidArgument(
+          "q4 matmul: expected x [R, C], codes uint8 [L, N, C/2], scale and min float16 "
+          "[L, N, C/32]");
+  } else if (codes.element_type() != ffi::DataType::S8 ||
+             (!f32 && scale.element_type() != ffi::DataType::F16) || xd.size() != 2 ||
+             cd.size() != 3 || sd.size() != 3 || xd[1] != cd[2] || xd[1] % sd[2] ||
+             sd[1] != cd[1] || sd[0] != cd[0]) {
     return ffi::Error::InvalidArgument(
-        "q4 matmul: expected x [R, C], codes [L, N, C/2], scale and min [L, N, C/32]");
-  const int64_t n = cd[1], nb = sd[2], at = layer_offset(layer, cd[0], 1);
-  if (at < 0) return ffi::Error::InvalidArgument("q4 matmul: layer index out of range");
-  Problem p{x.typed_data(), codes.typed_data() + at * n * cd[2],
-            reinterpret_cast<const uint16_t*>(scale.untyped_data()) + at * n * nb,
-            reinterpret_cast<const uint16_t*>(min.untyped_data()) + at * n * nb,
-            y->typed_data(), xd[0], xd[1], n, 32, false};
-  run(p, pick(true, 32), pool);
+        "q8 matmul: expected x [R, C], codes int8 [L, N, C], scale float16/32 [L, N, nb]");
+  }
+  const auto yd = ret->dimensions();
+  if (ret->element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != xd[0] ||
+      yd[1] != cd[1])
+    return ffi::Error::InvalidArgument("quantized matmul: expected y float32 [R, N]");
+  const int64_t n = cd[1], nb = sd[2], i = layer_offset(layer, cd[0], 1);
+  if (i < 0) return ffi::Error::InvalidArgument("quantized matmul: layer index out of range");
+  *p = Problem{x.typed_data(),
+               static_cast<const uint8_t*>(codes.untyped_data()) + i * n * cd[2],
+               static_cast<const char*>(scale.untyped_data()) + i * n * nb * (f32 ? 4 : 2),
+               bits == 4 ? static_cast<const uint16_t*>(min.untyped_data()) + i * n * nb : nullptr,
+               static_cast<float*>(ret->untyped_data()), xd[0], xd[1], n, xd[1] / nb, f32};
   return ffi::Error::Success();
 }
 
-ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                  ffi::Buffer<ffi::S8> codes, ffi::AnyBuffer scale,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] != cd[2] || xd[1] % sd[2] ||
-      sd[1] != cd[1] || sd[0] != cd[0])
+// y_m = x @ W_m.T for each matrix m of the call (all read at layer `layer` of their stacks):
+// several products of one input (q, k, v; gate, up) in one call, one split of the work.
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                      ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t bits) {
+  const size_t per = bits == 4 ? 3 : bits == 8 ? 2 : 0;
+  if (per == 0 || args.size() != per * rets.size() || rets.size() == 0)
     return ffi::Error::InvalidArgument(
-        "q8 matmul: expected x [R, C], codes [L, N, C], scale [L, N, nb]");
-  const bool f32 = scale.element_type() == ffi::DataType::F32;
-  if (!f32 && scale.element_type() != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument("q8 matmul: scale must be float16 or float32");
-  const int64_t n = cd[1], nb = sd[2], at = layer_offset(layer, cd[0], 1);
-  if (at < 0) return ffi::Error::InvalidArgument("q8 matmul: layer index out of range");
-  const char* scales = static_cast<const char*>(scale.untyped_data()) + at * n * nb * (f32 ? 4 : 2);
-  Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.typed_data()) + at * n * cd[2],
-            scales, nullptr, y->typed_data(), xd[0], xd[1], n, xd[1] / nb, f32};
-  run(p, pick(false, p.block), pool);
+        "quantized matmul: bits must be 4 or 8, with 3 (q4) or 2 (q8) operands per output");
+  std::vector<Problem> problems(rets.size());
+  for (size_t m = 0; m < rets.size(); ++m) {
+    auto ret = rets.get<ffi::AnyBuffer>(m);
+    if (ret.has_error()) return ret.error();
+    if (auto e = problem(bits, layer, x, args, m * per, ret.value(), &problems[m]); e.failure())
+      return e;
+  }
+  run(problems, pool);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQ4Matmul, Q4Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQ8Matmul, Q8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("bits"));
 
 extern "C" int specsamp_isa() { return isa(); }
