@@ -9,8 +9,9 @@
 // for a short while after each call. A decode step makes ~250 kernel calls of 10-50 us
 // each, back to back; a sleeping thread takes longer than that to wake (XLA's pool wakes
 // one per task), so the caller used to do most of each call alone. Spinning workers are
-// there within a microsecond, and sleep again when no call came for SPECSAMP_KERNEL_SPIN_US
-// (default 2000). Where the workers are taken (two calls at once from different threads)
+// there within a microsecond; after a few microseconds of spinning they yield the core at
+// each turn (XLA's own threads may need it), and sleep when no call came for
+// SPECSAMP_KERNEL_SPIN_US (default 2000). Where the workers are taken (two calls at once from different threads)
 // the call falls back to XLA's intra-op pool. SPECSAMP_KERNEL_HELPERS caps the helpers of
 // a call (0: the caller alone).
 
@@ -108,7 +109,13 @@ class Workers {
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       for (int spins = 0; generation_.load() == seen; ++spins) {
-        SPECSAMP_PAUSE();
+        // Pause-spin first (the next kernel call is usually microseconds away), then
+        // yield: the core goes to whatever else is runnable (XLA's own threads, busy
+        // with a float product between two kernel calls) instead of being burnt here.
+        if (spins < 4096)
+          SPECSAMP_PAUSE();
+        else
+          std::this_thread::yield();
         if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > spin_) {
           std::unique_lock<std::mutex> lock(mutex_);
           sleeping_.fetch_add(1);
