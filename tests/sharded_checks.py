@@ -140,7 +140,7 @@ def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
     import jax.numpy as jnp
 
     state = new_state(eng.prog, jnp.asarray([PROMPTS[0]]), jnp.asarray([8]), 4,
-                      jnp.asarray([0], jnp.uint32), 128, None)
+                      jnp.asarray([0], jnp.uint32), 128)
     state = eng.place(state)
     eos = jnp.asarray([-1]); stops = jnp.asarray([-1])
     lowered = decode.lower(eng.prog, eng.target_params, None, state, eos, stops, jnp.int32(4))

@@ -56,12 +56,13 @@ def test_sampled_tokens_distributed_exactly_when_split(checks):
 
 def test_compiled_program_communicates(checks):
     """A 'split' that XLA quietly gathered onto one device, or a replicated program, would
-    have no collectives: the decode program must all-reduce (row-split o / down partial
-    sums) and all-gather (vocabulary-split logits), over all n devices."""
+    have no collectives: the decode program must all-reduce over all n devices (row-split o
+    / down partial sums in the layer body, at least two; the sampler's reductions over
+    vocabulary-split logits add more)."""
     for n in ("2", "8"):
         found = checks["collectives"][n]
         assert found["devices"] == int(n)
-        assert found["all-reduce"] > 0 and found["all-gather"] > 0
+        assert found["all-reduce"] >= 2
 
 
 def test_pipeline_runs_split_and_matches_one_device(checks):

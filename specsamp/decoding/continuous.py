@@ -2,8 +2,8 @@
 
 The design is JetStream's prefill / insert / generate split. The host keeps a queue of
 prompts and a decode state of B rows (slots). `insert` prefills a few prompts at once into
-fresh rows and scatters them into free slots (every field of a row, the drafter's cache and
-features included, so nothing of a slot's previous occupant survives); `decode_chunk` runs
+fresh rows and scatters them into free slots (every field of a row, the drafter's own state
+included, so nothing of a slot's previous occupant survives); `decode_chunk` runs
 the compiled loop of rounds until enough slots have freed up to be worth refilling (or a
 round limit, for stop strings and the batch-aware K policy), then returns to the host.
 
@@ -31,6 +31,7 @@ from specsamp.decoding.decode import Program, _ar_round, _spec_round, new_state,
 from specsamp.decoding.engine import Engine, RawSample, prompt_bucket
 from specsamp.decoding.rounds import from_log
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
+from specsamp.models import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,46 +44,37 @@ class Variant:
     plain: bool = False
 
 
-def _draft_cfg(prog: Program):
-    d = prog.drafter
-    return d.cfg if d is not None and d.uses_cache else None
-
-
-def _feature_dim(prog: Program) -> int:
-    return prog.target.d_model if getattr(prog.drafter, "needs_features", False) else 0
-
-
 def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeState:
     """B free slots: every row done, nothing to compute for them."""
     ones = jnp.ones((batch,), jnp.int32)
     state = new_state(prog, jnp.zeros((batch, 1), jnp.int32), ones, max_new,
-                      jnp.zeros((batch,), jnp.uint32), slots, _draft_cfg(prog), _feature_dim(prog))
+                      jnp.zeros((batch,), jnp.uint32), slots)
     state = state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
     return jax.tree.map(jnp.copy, state)  # own buffers (length and prompt_len alias): donated
 
 
 def _scatter(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
-    """state's rows `slots` = fresh's rows; slots past the batch are dropped (padding)."""
+    """state's rows `slots` = fresh's rows (every field, the drafter's state included);
+    slots past the batch are dropped (padding)."""
     def put(axis):
         def f(full, part):
             index = (slice(None),) * axis + (slots,)
             return full.at[index].set(part, mode="drop")
         return f
 
-    caches = ("target_cache", "draft_cache")
-    rows = jax.tree.map(put(0), state.replace(**{c: None for c in caches}),
-                        fresh.replace(**{c: None for c in caches}))
-    # KV caches are [L, B, J, S, E]: their batch axis is 1.
-    return rows.replace(**{c: jax.tree.map(put(1), getattr(state, c), getattr(fresh, c))
-                           for c in caches})
+    def rows(full, part):  # KV caches are [L, B, J, S, E]: their batch axis is 1
+        if isinstance(full, KVCache):
+            return jax.tree.map(put(1), full, part)
+        return put(0)(full, part)
+
+    return jax.tree.map(rows, state, fresh, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 @jax.jit(static_argnames=("prog", "max_new", "width"), donate_argnames=("state",))
 def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
            slots, max_new: int, width: int) -> DecodeState:
     """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state."""
-    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1],
-                      _draft_cfg(prog), _feature_dim(prog))
+    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1])
     fresh = prefill(prog, target_params, draft_params, fresh, width)
     return _scatter(state, fresh, slots)
 
@@ -90,8 +82,8 @@ def insert(prog: Program, target_params, draft_params, state: DecodeState, promp
 def _round(variant: Variant, target_params, draft_params, state, eos_ids, stop_ids):
     prog = variant.prog
     if prog.drafter is None or variant.plain:
-        # Plain rounds with a drafter leave its cache behind (`resync` catches up) but keep
-        # the target's features, which only the target can compute.
+        # Plain rounds with a drafter leave its cache behind (`resync` catches up) but let
+        # it observe the target's hidden states (features), which only the target computes.
         return _ar_round(prog, target_params, state, eos_ids, stop_ids)
     return _spec_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
 
@@ -101,7 +93,7 @@ def resync(prog: Program, draft_params, state: DecodeState, width: int) -> Decod
     """Rebuild the drafter's cache from each row's tokens 0..width-1 (width: at least every
     running row's length), after plain rounds that did not feed it. Positions past a row's
     length get stale entries that later writes overwrite, as in prefill."""
-    return state.replace(draft_cache=prog.drafter.prefill(draft_params, state.tokens[:, :width], state))
+    return state.replace(draft=prog.drafter.prefill(draft_params, state.tokens[:, :width], state.draft))
 
 
 @jax.jit(static_argnames=("variant",), donate_argnames=("state",))

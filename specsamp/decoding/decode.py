@@ -19,7 +19,6 @@ from specsamp.decoding.drafters import Drafter
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
     RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
-    write_window,
 )
 from specsamp.models import Model, ModelConfig, init_cache
 
@@ -37,12 +36,11 @@ class Program:
 
 def new_state(
     prog: Program, prompts: jax.Array, prompt_len: jax.Array, max_new: int, seeds: jax.Array,
-    slots: int, draft_cfg: ModelConfig | None, feature_dim: int = 0,
+    slots: int,
 ) -> DecodeState:
     """prompts [B, P] (right-padded), prompt_len [B] >= 1, seeds [B] uint32."""
     b, p = prompts.shape
     tokens = jnp.zeros((b, slots), jnp.int32).at[:, :p].set(prompts)
-    draft_cache = init_cache(draft_cfg, b, slots) if draft_cfg is not None else None
     return DecodeState(
         tokens=tokens,
         length=prompt_len.astype(jnp.int32),
@@ -55,8 +53,7 @@ def new_state(
         round_accepted=jnp.full((b, max_new), -1, jnp.int32),
         round_draft_calls=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
-        draft_cache=draft_cache,
-        features=jnp.zeros((b, slots, feature_dim), jnp.float32) if feature_dim else None,
+        draft=prog.drafter.init_state(b, slots) if prog.drafter is not None else None,
     )
 
 
@@ -69,10 +66,10 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, widt
         target_params, tokens, prefix_positions(tokens), state.target_cache, head=False
     )
     state = state.replace(target_cache=cache)
-    if state.features is not None:
-        state = state.replace(features=state.features.at[:, :width].set(hidden))
-    if state.draft_cache is not None:
-        state = state.replace(draft_cache=prog.drafter.prefill(draft_params, tokens, state))
+    if prog.drafter is not None:
+        start = jnp.zeros((tokens.shape[0],), jnp.int32)
+        draft = prog.drafter.observe(state.draft, hidden, start)
+        state = state.replace(draft=prog.drafter.prefill(draft_params, tokens, draft))
     return state
 
 
@@ -82,8 +79,8 @@ def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_id
     target = Model(prog.target)
     hidden, cache = target.forward(target_params, current, t[:, None], state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
-    if state.features is not None:  # keep a feature draft's inputs complete across plain rounds
-        state = state.replace(features=write_window(state.features, hidden, t))
+    if prog.drafter is not None:  # e.g. keep a feature draft's inputs complete across plain rounds
+        state = state.replace(draft=prog.drafter.observe(state.draft, hidden, t))
     q = probs_from_logits(logits[:, 0], prog.sampling)
     x = jax.vmap(sample)(round_keys(state), q)
     ones = jnp.ones_like(t)
@@ -97,23 +94,23 @@ def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, 
     proposal = prog.drafter.propose(draft_params, state, draft_keys)
     calls = prog.drafter.calls_per_round if proposal.calls is None else proposal.calls
     state = log_draft_calls(state, jnp.broadcast_to(jnp.asarray(calls, jnp.int32), state.calls.shape))
-    draft, p, draft_cache, found = proposal.draft, proposal.p, proposal.draft_cache, proposal.found
+    draft, p, draft_state, found = proposal.draft, proposal.p, proposal.draft_state, proposal.found
     if found is None:
-        return _score(prog, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids)
+        return _score(prog, target_params, state, keys, draft, p, draft_state, eos_ids, stop_ids)
     # A drafter that may have nothing to propose (n-gram lookup without a match): when no
     # running row has a proposal, a plain step is cheaper than scoring K+1 tokens. In a
     # scored round, rows without a proposal take exactly the plain step too (same key, same
     # token), so a sample and its statistics never depend on its batch-mates.
     return jax.lax.cond(
         jnp.any(found & (state.stop_reason == RUNNING)),
-        lambda s: _score(prog, target_params, s, keys, draft, p, draft_cache, eos_ids, stop_ids,
+        lambda s: _score(prog, target_params, s, keys, draft, p, draft_state, eos_ids, stop_ids,
                          found),
         lambda s: _ar_round(prog, target_params, s, eos_ids, stop_ids),
         state,
     )
 
 
-def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos_ids, stop_ids,
+def _score(prog: Program, target_params, state, keys, draft, p, draft_state, eos_ids, stop_ids,
            found=None):
     """Score [current, draft] with the target in one call and apply the rejection rule."""
     k = prog.k
@@ -125,8 +122,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
     target = Model(prog.target)
     hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
-    if state.features is not None:  # the target's features, for a feature-conditioned draft
-        state = state.replace(features=write_window(state.features, hidden, t))
+    draft_state = prog.drafter.observe(draft_state, hidden, t)  # e.g. the target's features
     q = probs_from_logits(logits, prog.sampling)
     n, x = accept_batch(accept_keys, draft, p, q)
     if found is not None:
@@ -135,7 +131,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_cache, eos
 
     draft_pad = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
     new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])
-    state = state.replace(target_cache=cache, draft_cache=draft_cache)
+    state = state.replace(target_cache=cache, draft=draft_state)
     return commit(state, new, n + 1, n, eos_ids, stop_ids,
                   drafted=True if found is None else found)
 

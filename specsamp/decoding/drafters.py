@@ -11,11 +11,14 @@
   feature draft) for the other rows; the model's chain is skipped in rounds where every
   running row has a match.
 
-Every drafter follows the `Drafter` protocol below: `propose(params, state, keys) ->
-Proposal` for a speculative round, `prefill(params, tokens, state)` to (re)build its cache
-from tokens (after the prompt, and after plain K = 0 rounds that did not feed it), and
-`with_k(k)` for the same drafter at another K (the batch-aware policy switches K between
-chunks of rounds; the decode state's layout does not depend on K).
+Every drafter follows the `Drafter` protocol below and owns its loop state (a pytree it
+defines: a draft model's KV cache, the target's features a feature draft reads), kept in
+`DecodeState.draft` and read by no one else: `init_state` makes it, `observe` records the
+target's hidden states after each target call, `prefill` (re)builds it from tokens (after
+the prompt, and after plain K = 0 rounds that did not feed it), `propose(params, state,
+keys) -> Proposal` drafts a round and returns the state after it, and `with_k(k)` is the
+same drafter at another K (the batch-aware policy switches K between chunks of rounds; the
+state's layout does not depend on K).
 """
 
 from __future__ import annotations
@@ -23,20 +26,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple, Protocol
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
-from specsamp.decoding.state import RUNNING, DecodeState, gather_window, prefix_positions
-from specsamp.models import Model, ModelConfig
+from specsamp.decoding.state import (
+    RUNNING, DecodeState, gather_window, prefix_positions, write_window,
+)
+from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.feature_draft import FeatureModel
 
 
 class Proposal(NamedTuple):
     draft: jax.Array  # [B, K] int32
     p: jax.Array  # [B, K, V] float32: the distributions the draft tokens came from
-    draft_cache: Any  # the drafter's cache after the round (None: no cache)
+    draft_state: Any  # the drafter's loop state after the round (None: it has none)
     found: jax.Array | None = None  # [B] bool: rows with a real proposal (None: all)
     calls: jax.Array | None = None  # [B] int32 draft calls per row (None: calls_per_round)
 
@@ -56,26 +62,34 @@ class Drafter(Protocol):
     """
 
     k: int  # draft tokens proposed per round
-    needs_features: bool  # reads the target's hidden states (DecodeState.features)
     kind: str  # for names and statistics: 'model', 'early-exit', 'feature', 'ngram', 'ngram+feature'
 
     @property
     def uses_cache(self) -> bool:
-        """True when the drafter owns DecodeState.draft_cache; it then has a `cfg`
-        (ModelConfig) from which the loop allocates that cache, and a `prefill`."""
+        """True when the drafter runs a draft model; it then has a `cfg` (ModelConfig) and
+        a `forward` (one draft call, which the cost model times)."""
 
     @property
     def calls_per_round(self) -> int:
         """Draft model calls of one round (0 for lookup); Proposal.calls overrides it per
         row when rounds differ."""
 
+    def init_state(self, batch: int, slots: int) -> Any:
+        """The drafter's loop state for `batch` rows of `slots` positions (None: none).
+        Leaves have the batch axis first, except KVCache leaves ([L, B, ...])."""
+
+    def observe(self, draft_state, hidden: jax.Array, start: jax.Array) -> Any:
+        """The state after a target call: hidden [B, W, D] are the target's final-normed
+        hidden states at positions start[b]..start[b]+W-1 of each row."""
+
+    def prefill(self, params, tokens: jax.Array, draft_state) -> Any:
+        """The state after feeding tokens [B, W] at positions 0..W-1 (after `observe` of
+        the target's prefill)."""
+
     def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal:
         """K draft tokens per row, with their distributions, from the decode state at each
-        row's current position; `keys` [B] are the rows' draft keys of this round."""
-
-    def prefill(self, params, tokens: jax.Array, state: DecodeState) -> Any:
-        """The draft cache after feeding tokens [B, W] at positions 0..W-1 (drafters with a
-        cache only)."""
+        row's current position (its own state is state.draft); `keys` [B] are the rows'
+        draft keys of this round."""
 
     def with_k(self, k: int) -> "Drafter": ...
 
@@ -87,15 +101,18 @@ class ModelDrafter:
     sampling: SamplingParams
     kind: str = "model"  # 'model' or 'early-exit' (only for names and statistics)
 
-    needs_features = False
-
     @property
     def uses_cache(self) -> bool:
         return True
 
-    def prefill(self, params, tokens, state: DecodeState):
-        _, cache = Model(self.cfg).forward(
-            params, tokens, prefix_positions(tokens), state.draft_cache, head=False)
+    def init_state(self, batch: int, slots: int) -> KVCache:
+        return init_cache(self.cfg, batch, slots)  # the draft model's own KV cache
+
+    def observe(self, cache, hidden, start):
+        return cache
+
+    def prefill(self, params, tokens, cache: KVCache) -> KVCache:
+        _, cache = Model(self.cfg).forward(params, tokens, prefix_positions(tokens), cache, head=False)
         return cache
 
     def forward(self, params, tokens, positions, cache):
@@ -112,7 +129,7 @@ class ModelDrafter:
         start = jnp.maximum(t - 1, 0)
         pair = gather_window(state.tokens, start, 2)
         positions = start[:, None] + jnp.arange(2)[None, :]
-        logits, cache = self.forward(params, pair, positions, state.draft_cache)
+        logits, cache = self.forward(params, pair, positions, state.draft)
         logits = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0]
 
         def feed(tok, i, _, cache):
@@ -161,13 +178,21 @@ def _shifted_features(features: jax.Array, start: jax.Array, width: int) -> jax.
     return gather_window(padded, start, width)
 
 
+@flax.struct.dataclass
+class FeatureState:
+    """A feature draft's loop state: its KV cache, and the target's final hidden state at
+    every position so far (what each draft call reads for the position before it)."""
+
+    cache: KVCache
+    features: jax.Array  # [B, S, D]
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureDrafter:
     cfg: ModelConfig  # the target's config with the draft's layer count
     k: int
     sampling: SamplingParams
     kind: str = "feature"
-    needs_features = True
 
     @property
     def uses_cache(self) -> bool:
@@ -177,12 +202,19 @@ class FeatureDrafter:
     def calls_per_round(self) -> int:
         return self.k
 
-    def prefill(self, params, tokens, state: DecodeState):
+    def init_state(self, batch: int, slots: int) -> FeatureState:
+        return FeatureState(init_cache(self.cfg, batch, slots),
+                            jnp.zeros((batch, slots, self.cfg.d_model), jnp.float32))
+
+    def observe(self, fs: FeatureState, hidden, start) -> FeatureState:
+        return fs.replace(features=write_window(fs.features, hidden.astype(jnp.float32), start))
+
+    def prefill(self, params, tokens, fs: FeatureState) -> FeatureState:
         start = jnp.zeros((tokens.shape[0],), jnp.int32)
-        feats = _shifted_features(state.features, start, tokens.shape[1])
+        feats = _shifted_features(fs.features, start, tokens.shape[1])
         _, cache = FeatureModel(self.cfg).forward(
-            params, tokens, feats, prefix_positions(tokens), state.draft_cache)
-        return cache
+            params, tokens, feats, prefix_positions(tokens), fs.cache)
+        return fs.replace(cache=cache)
 
     def with_k(self, k: int) -> "FeatureDrafter":
         return dataclasses.replace(self, k=k)
@@ -200,20 +232,20 @@ class FeatureDrafter:
         """The first call of a round: the window of K+1 positions ending at t, with the
         target's true features. It (re)writes every position accepted since the last round
         (at most K+1) with true features, replacing the draft's own guesses from that round.
-        Returns (g [B, 1, D] at t, cache)."""
-        t = state.current
+        Returns (g [B, 1, D] at t, the state with that cache)."""
+        t, fs = state.current, state.draft
         start = jnp.maximum(t - self.k, 0)
         width = self.k + 1
         tokens = gather_window(state.tokens, start, width)
-        feats = _shifted_features(state.features, start, width)
+        feats = _shifted_features(fs.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
-        g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, state.draft_cache)
-        return jnp.take_along_axis(g, (t - start)[:, None, None], axis=1), cache
+        g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, fs.cache)
+        return jnp.take_along_axis(g, (t - start)[:, None, None], axis=1), fs.replace(cache=cache)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         model = FeatureModel(self.cfg)
         t = state.current
-        g, cache = self.refresh(params, state)
+        g, fs = self.refresh(params, state)
 
         def head(g):
             return model.logits(params, g)[:, 0]
@@ -221,7 +253,8 @@ class FeatureDrafter:
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
             return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
-        return Proposal(*_chain(_drawer(self.sampling, keys), head, feed, g, cache, self.k))
+        draft, p, cache = _chain(_drawer(self.sampling, keys), head, feed, g, fs.cache, self.k)
+        return Proposal(draft, p, fs.replace(cache=cache))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,12 +263,20 @@ class NgramDrafter:
     vocab_size: int
     max_ngram: int = 3
     min_ngram: int = 1
-    needs_features = False
     kind = "ngram"
 
     @property
     def uses_cache(self) -> bool:
         return False
+
+    def init_state(self, batch: int, slots: int) -> None:
+        return None  # a lookup in the tokens: no state of its own
+
+    def observe(self, draft_state, hidden, start):
+        return draft_state
+
+    def prefill(self, params, tokens, draft_state):
+        return draft_state
 
     @property
     def calls_per_round(self) -> int:
@@ -248,7 +289,7 @@ class NgramDrafter:
         del params, keys
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
         return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
-                        None, found)
+                        state.draft, found)
 
     def _lookup(self, row: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         """row [S], current index t -> (K proposed tokens, whether a match was found).
@@ -283,7 +324,6 @@ class HybridDrafter:
 
     ngram: NgramDrafter
     model: FeatureDrafter
-    needs_features = True
 
     @property
     def k(self) -> int:
@@ -305,8 +345,14 @@ class HybridDrafter:
     def calls_per_round(self) -> int:
         return self.model.k  # at most; Proposal.calls says what each round used
 
-    def prefill(self, params, tokens, state: DecodeState):
-        return self.model.prefill(params, tokens, state)
+    def init_state(self, batch: int, slots: int) -> FeatureState:
+        return self.model.init_state(batch, slots)
+
+    def observe(self, fs, hidden, start):
+        return self.model.observe(fs, hidden, start)
+
+    def prefill(self, params, tokens, fs):
+        return self.model.prefill(params, tokens, fs)
 
     def forward(self, params, tokens, positions, cache):
         return self.model.forward(params, tokens, positions, cache)
@@ -320,15 +366,15 @@ class HybridDrafter:
         running = state.stop_reason == RUNNING
 
         def lookup_only(_):
-            _, cache = self.model.refresh(params, state)
-            return lookup.draft, lookup.p, cache
+            _, fs = self.model.refresh(params, state)
+            return lookup.draft, lookup.p, fs
 
         def with_model(_):
             drafted = self.model.propose(params, state, keys)
             pick = found[:, None]
             return (jnp.where(pick, lookup.draft, drafted.draft),
-                    jnp.where(pick[..., None], lookup.p, drafted.p), drafted.draft_cache)
+                    jnp.where(pick[..., None], lookup.p, drafted.p), drafted.draft_state)
 
-        draft, p, cache = jax.lax.cond(jnp.all(found | ~running), lookup_only, with_model, None)
+        draft, p, fs = jax.lax.cond(jnp.all(found | ~running), lookup_only, with_model, None)
         calls = jnp.where(found, 1, self.k).astype(jnp.int32)
-        return Proposal(draft, p, cache, None, calls)
+        return Proposal(draft, p, fs, None, calls)

@@ -138,12 +138,9 @@ class Engine:
         for i, ids in enumerate(prompts):
             padded[i, : len(ids)] = ids
         seeds_arr = np.array([s % (1 << 32) for s in seeds], np.uint32)
-        drafter = self.prog.drafter
-        draft_cfg = drafter.cfg if drafter is not None and drafter.uses_cache else None
         state = new_state(
             self.prog, jnp.asarray(padded), jnp.asarray(lens), self.max_new_tokens,
-            jnp.asarray(seeds_arr), self._slots(bucket), draft_cfg,
-            feature_dim=self.prog.target.d_model if getattr(drafter, "needs_features", False) else 0,
+            jnp.asarray(seeds_arr), self._slots(bucket),
         )
         state = self.place(state)
         eos = jnp.asarray(np.array(self.eos_ids or (-1,), np.int32))

@@ -10,6 +10,8 @@ both caches hold valid entries for positions < t only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -35,8 +37,10 @@ class DecodeState:
     round_accepted: jax.Array  # [B, R] int32: draft tokens kept AND appended; -1: no draft scored
     round_draft_calls: jax.Array  # [B, R] int32: draft model calls the round made
     target_cache: KVCache
-    draft_cache: KVCache | None = None
-    features: jax.Array | None = None  # [B, S, D]: the target's final hidden state per position
+    # The drafter's own loop state (its KV cache, the target's features it reads, ...): a
+    # pytree the drafter defines (`Drafter.init_state`) and only the drafter reads; None
+    # without one. Leaves have the batch axis first, except a KVCache's ([L, B, ...]).
+    draft: Any = None
 
     @property
     def done(self) -> jax.Array:
