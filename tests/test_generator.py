@@ -112,3 +112,17 @@ def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
     plain = commit(out.replace(stop_reason=jnp.array([0, 0])), jnp.array([[3], [3]]), jnp.array([1, 1]),
                    jnp.array([0, 0]), eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=False)
     assert plain.round_accepted[:, 1].tolist() == [-1, -1]  # a plain step is no speculative loop
+
+
+def test_prompt_buckets_hold_the_prompt_with_little_padding():
+    """Catches a bucket shorter than its prompt (a truncated prefill) or one that pads most
+    of the prefill away: every n fits, buckets never shrink as n grows, padding is under 32
+    tokens up to 128 and under a third of the bucket above, with few distinct shapes."""
+    from specsamp.decoding.engine import prompt_bucket
+
+    sizes = [prompt_bucket(n) for n in range(1, 2049)]
+    assert all(b >= n for n, b in zip(range(1, 2049), sizes))
+    assert sizes == sorted(sizes)
+    assert all(b - n < 32 for n, b in zip(range(1, 129), sizes))
+    assert all((b - n) / b < 1 / 3 for n, b in zip(range(129, 2049), sizes[128:]))
+    assert len(set(sizes)) <= 12

@@ -2,8 +2,9 @@
 before any clock starts (`specsamp.compilation`), times their execution only, and turns the
 final state into `RawSample`s. Works on token ids; text lives in `specsamp.decoding.generator`.
 
-Shapes are bucketed so that few programs are compiled: prompts pad to a power of two
-(at least 32), the cache to a multiple of 128 slots.
+Shapes are bucketed so that few programs are compiled: prompts pad to `prompt_bucket`
+(multiples of 32 up to 128, then two sizes per doubling), the cache to a multiple of 128
+slots.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ _MIN_BUCKET = 32
 
 
 def prompt_bucket(n: int) -> int:
-    return max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+    """The padded length of a prompt of n tokens: 32, 64, 96, 128, then 192, 256, 384,
+    512, 768, ... (1.5x and 2x each power of two). Prefill computes every padded position,
+    so powers of two alone wasted up to half of it (a 141-token chat prompt padded to
+    256); here at most a third, for twice the shapes to compile above 128."""
+    n = max(n, 1)
+    if n <= 128:
+        return max(_MIN_BUCKET, -(-n // 32) * 32)
+    top = 1 << (n - 1).bit_length()
+    middle = top // 2 + top // 4
+    return middle if n <= middle else top
 
 
 @dataclasses.dataclass(frozen=True)
