@@ -91,13 +91,16 @@ def test_kernel_rows_independent_of_batch():
     """Catches a kernel whose result for a row depends on the other rows in the call: the
     K+1 scoring block must give what single steps give (greedy equality rests on it)."""
     _kernel_or_skip()
-    fields = from_gguf_blocks(random_blocks("Q4_1", 130, 64, seed=4), "Q4_1", 130, 64)
-    w = qweight(fields, "cpu")
-    x = jnp.asarray(np.random.default_rng(5).normal(size=(6, 64)).astype(np.float32))
-    f = jax.jit(matmul)
-    together = np.asarray(f(x, w))
-    alone = np.concatenate([np.asarray(f(x[i:i + 1], w)) for i in range(6)])
-    np.testing.assert_array_equal(together, alone)
+    for kind in ("Q4_1", "Q8_0"):
+        fields = from_gguf_blocks(random_blocks(kind, 130, 64, seed=4), kind, 130, 64)
+        w = qweight(fields, "cpu")
+        # 70 rows: passes of up to 12 rows, and more than one block of input rows
+        x = jnp.asarray(np.random.default_rng(5).normal(size=(70, 64)).astype(np.float32))
+        f = jax.jit(matmul)
+        together = np.asarray(f(x, w))
+        alone = np.concatenate([np.asarray(f(x[i:i + 1], w)) for i in range(70)])
+        np.testing.assert_array_equal(together, alone)
+        np.testing.assert_array_equal(np.asarray(f(x[:6], w)), alone[:6])
 
 
 def test_int8_rows_round_to_nearest():

@@ -81,7 +81,7 @@ float Problem::scale_at(int64_t i) const {
                    : half_table()[static_cast<const uint16_t*>(scale)[i]];
 }
 
-constexpr int kMaxRows = 8;  // rows per pass over a chunk of weights (more: more passes)
+constexpr int kMaxRows = 12;  // rows per pass over a chunk of weights at most (AVX-512; AVX2 8)
 
 // ---- portable
 void q4_portable(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
@@ -281,10 +281,11 @@ void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   }
 }
 
-// Rows at once: up to 8 (AVX-512: 16 accumulators + weights fit in 32 registers).
-#define SPECSAMP_DISPATCH(name)                                                        \
+// Rows at once: up to 12 with AVX-512 (24 accumulators + the block's weights fit in 32
+// registers), 8 with AVX2 (16 registers); `pick` says which.
+#define SPECSAMP_DISPATCH(name, most)                                                  \
   void name##_rows(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) { \
-    switch (nr) {                                                                      \
+    switch (std::min<int64_t>(nr, most)) {                                             \
       case 1: return name<1>(p, n0, n1, r0);                                           \
       case 2: return name<2>(p, n0, n1, r0);                                           \
       case 3: return name<3>(p, n0, n1, r0);                                           \
@@ -292,13 +293,17 @@ void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
       case 5: return name<5>(p, n0, n1, r0);                                           \
       case 6: return name<6>(p, n0, n1, r0);                                           \
       case 7: return name<7>(p, n0, n1, r0);                                           \
-      default: return name<8>(p, n0, n1, r0);                                          \
+      case 8: return name<8>(p, n0, n1, r0);                                           \
+      case 9: return name<(most > 8 ? 9 : 8)>(p, n0, n1, r0);                          \
+      case 10: return name<(most > 8 ? 10 : 8)>(p, n0, n1, r0);                        \
+      case 11: return name<(most > 8 ? 11 : 8)>(p, n0, n1, r0);                        \
+      default: return name<most>(p, n0, n1, r0);                                       \
     }                                                                                  \
   }
-SPECSAMP_DISPATCH(q4_avx512)
-SPECSAMP_DISPATCH(q8_avx512)
-SPECSAMP_DISPATCH(q4_avx2)
-SPECSAMP_DISPATCH(q8_avx2)
+SPECSAMP_DISPATCH(q4_avx512, 12)
+SPECSAMP_DISPATCH(q8_avx512, 12)
+SPECSAMP_DISPATCH(q4_avx2, 8)
+SPECSAMP_DISPATCH(q8_avx2, 8)
 #endif
 
 using Kernel = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
@@ -319,34 +324,46 @@ int isa() {  // 2: AVX-512, 1: AVX2, 0: portable (SPECSAMP_ISA=portable|avx2 cap
   return level;
 }
 
-Kernel pick(bool q4, int64_t block, int64_t cols) {
+struct Choice {
+  Kernel kernel;
+  int64_t rows;  // rows per pass the kernel takes
+};
+
+Choice pick(bool q4, int64_t block, int64_t cols) {
 #ifdef SPECSAMP_X86
   const int level = isa();
   if (level == 2 && (q4 || block % 16 == 0) && cols / block <= kMaxBlocks)
-    return q4 ? q4_avx512_rows : q8_avx512_rows;
-  if (level >= 1 && (q4 || block % 8 == 0)) return q4 ? q4_avx2_rows : q8_avx2_rows;
+    return {q4 ? q4_avx512_rows : q8_avx512_rows, 12};
+  if (level >= 1 && (q4 || block % 8 == 0)) return {q4 ? q4_avx2_rows : q8_avx2_rows, 8};
 #endif
-  return q4 ? q4_portable : q8_portable;
+  return {q4 ? q4_portable : q8_portable, kMaxRows};
 }
 
-// Output rows in chunks of 64 over all of a call's matrices, split between the caller
-// and the helpers (parallel.h).
+// Work items: (block of input rows, chunk of 64 output rows) of all of a call's matrices,
+// input-row-block major, split between the caller and the helpers (parallel.h). With many
+// input rows (prefill: thousands) an item's block of x stays in the core's cache while it
+// sweeps the weights; the other order re-read all of x from memory for every weight chunk.
 void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   constexpr int64_t chunk = 64;
-  std::vector<std::pair<int64_t, Kernel>> firsts;  // (first chunk, kernel) per matrix
-  int64_t chunks = 0;
+  std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
+  int64_t chunks = 0, pass = kMaxRows;
   for (const Problem& p : problems) {
     firsts.emplace_back(chunks, pick(p.min != nullptr, p.block, p.cols));
     chunks += (p.n + chunk - 1) / chunk;
+    pass = std::min(pass, firsts.back().second.rows);
   }
-  specsamp::parallel_for(pool, chunks, int64_t{1} << 20, [&](int64_t c) {
+  const int64_t rows = problems.front().rows, row_block = 5 * pass;
+  const int64_t blocks = (rows + row_block - 1) / row_block;
+  specsamp::parallel_for(pool, blocks * chunks, int64_t{1} << 20, [&](int64_t item) {
+    const int64_t c = item % chunks, rb = item / chunks;
     size_t m = firsts.size() - 1;
     while (firsts[m].first > c) --m;
     const Problem& p = problems[m];
-    const Kernel kernel = firsts[m].second;
+    const Kernel kernel = firsts[m].second.kernel;
     const int64_t n0 = (c - firsts[m].first) * chunk, n1 = std::min(p.n, n0 + chunk);
-    for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows)
-      kernel(p, n0, n1, r0, std::min<int64_t>(kMaxRows, p.rows - r0));
+    const int64_t r_end = std::min(rows, (rb + 1) * row_block);
+    for (int64_t r0 = rb * row_block; r0 < r_end; r0 += pass)
+      kernel(p, n0, n1, r0, std::min<int64_t>(pass, r_end - r0));
   });
 }
 
