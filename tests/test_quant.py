@@ -165,3 +165,26 @@ def test_one_call_for_several_matrices(kind):
         for g, w, (n, _) in zip(got, want, shapes):
             assert g.shape == (5, n)
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_kernels_on_other_instruction_sets(isa):
+    """This machine runs the AVX-512 code; others run the AVX2 or the portable loops (their
+    own row limits per pass, their own decoding). Catches a bug in those paths: the kernel
+    tests above, rerun in a process whose kernels are capped at `isa`."""
+    import subprocess
+    import sys
+
+    _kernel_or_skip()
+    if kernels.isa() == "portable" and isa == "avx2":
+        pytest.skip("no AVX2 on this machine")
+    env = {**os.environ, "SPECSAMP_ISA": isa}
+    probe = subprocess.run([sys.executable, "-c", "from specsamp.quant import kernels; print(kernels.isa())"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip() == isa, probe.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel_matches or rows_independent or several_matrices or layer_view"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
