@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -149,8 +148,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   // (row, KV head) groups, split between the caller and the pool (parallel.h).
   const float *queries = q.typed_data(), *kc = k_out->typed_data(), *vc = v_out->typed_data();
   float* o = out->typed_data();
-  specsamp::parallel_for(pool, s.batch * s.kv_heads, std::numeric_limits<int64_t>::max(),
-                         [&](int64_t i) {
+  specsamp::parallel_for(pool, s.batch * s.kv_heads, [&](int64_t i) {
     thread_local std::vector<float> scores;  // scratch [S] per thread
     scores.resize(s.slots);
     const int64_t b = i / s.kv_heads, j = i % s.kv_heads;

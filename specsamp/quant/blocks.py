@@ -134,8 +134,7 @@ def matmul_many(x: jax.Array, ws) -> list[jax.Array]:
 
         first = ws[0]
         if all(kernels.supports(w) and w.bits == first.bits and w.cols == first.cols
-               and (w.layer is None) == (first.layer is None)
-               and (w.layer is None or w.layer is first.layer) for w in ws):
+               and w.layer is first.layer for w in ws):
             return kernels.qmatmul_many(x, ws)
     return [matmul(x, w) for w in ws]
 

@@ -145,15 +145,15 @@ class Workers {
   int64_t wanted_ = 0;
 };
 
-// fn(i) for i in 0..count-1, on the caller and at most max_helpers helper threads (no
-// more than items left after the caller's first; SPECSAMP_KERNEL_HELPERS caps it too).
+// fn(i) for i in 0..count-1, on the caller and helper threads (no more than items left
+// after the caller's first; SPECSAMP_KERNEL_HELPERS caps them).
 template <typename F>
-void parallel_for(xla::ffi::ThreadPool& pool, int64_t count, int64_t max_helpers, F fn) {
+void parallel_for(xla::ffi::ThreadPool& pool, int64_t count, F fn) {
   static const int64_t cap = env_int("SPECSAMP_KERNEL_HELPERS", 1 << 20);
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->count = count;
-  const int64_t helpers = std::min<int64_t>({max_helpers, cap, count - 1});
+  const int64_t helpers = std::min<int64_t>(cap, count - 1);
   if (helpers <= 0) return job->work();
   Workers& workers = Workers::get();
   if (workers.size() > 0 && workers.run(job, std::min(helpers, workers.size()))) return;

@@ -2,8 +2,9 @@
 //
 //   y[r, n] = sum_c x[r, c] * W[n, c],   W[n, c] = code * scale (+ min) per block of a row
 //
-// x is float32 [R, C] (R = batch x (K+1) rows, small), W is N x C in its stored blocks,
-// layer `layer` of a stack of L such matrices (read in place: no copy of the layer):
+// x is float32 [R, C] (R = batch x (K+1) rows in a decode step, thousands in a prefill),
+// W is N x C in its stored blocks, layer `layer` of a stack of L such matrices (read in
+// place: no copy of the layer):
 //   q4: codes uint8 [L, N, C/2] (GGUF nibble order), scale and min float16 [L, N, C/32]
 //   q8: codes int8 [L, N, C], scale float16 or float32 [L, N, C/block]
 // Each weight is decoded once to float32 and used for all R rows, so a call reads the
@@ -358,7 +359,7 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   }
   constexpr int64_t row_block = 60;  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows
   const int64_t rows = problems.front().rows, blocks = (rows + row_block - 1) / row_block;
-  specsamp::parallel_for(pool, blocks * chunks, int64_t{1} << 20, [&](int64_t item) {
+  specsamp::parallel_for(pool, blocks * chunks, [&](int64_t item) {
     const int64_t c = item % chunks, rb = item / chunks;
     size_t m = firsts.size() - 1;
     while (firsts[m].first > c) --m;
