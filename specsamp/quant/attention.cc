@@ -78,24 +78,28 @@ struct Fast {  // vector versions of attend_head's loops, where the CPU has them
 // per slot, 16 lane sums over E in order, then tree_sum's order. For 16 slots the trees run
 // side by side (a transposing reduction of 16 vectors into one), so no slot pays a serial
 // horizontal sum; a shorter block (the last) sums each slot alone, in the same order.
+template <int C>  // one slot's 16 lane sums q . key over E = 16 * C, in order
+__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, const float* key) {
+  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+  for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), acc);
+  return acc;
+}
+
 template <int C>
 __attribute__((target("avx512f")))
 void scores_avx512(const float* qs, const float* k, int64_t n, float* out) {
-  __m512 qv[C], v[16];
+  __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs + 16 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + i * 16 * C));
-    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + i * 16 * C + 16 * c), acc);
-    v[i] = acc;
-  }
   if (n < 16) {
     for (int64_t i = 0; i < n; ++i) {
       alignas(64) float lanes[kLanes];
-      _mm512_store_ps(lanes, v[i]);
+      _mm512_store_ps(lanes, lane_sums<C>(qv, k + i * 16 * C));
       out[i] = tree_sum(lanes);
     }
     return;
   }
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = lane_sums<C>(qv, k + i * 16 * C);
   // lane l + lane l + 8 (128-bit chunks 0,1 + 2,3), two slots per vector
   __m512 w[8];
   for (int i = 0; i < 8; ++i)
@@ -126,10 +130,16 @@ void weighted_avx512(const float* w, const float* v, int64_t n, float inv, float
   __m512 a[2][C];
   for (int p = 0; p < 2; ++p)
     for (int c = 0; c < C; ++c) a[p][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2)
+    for (int p = 0; p < 2; ++p) {
+      const __m512 wi = _mm512_set1_ps(w[i + p]);
+      for (int c = 0; c < C; ++c)
+        a[p][c] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(v + (i + p) * 16 * C + 16 * c), a[p][c]);
+    }
+  if (i < n) {  // an even slot
     const __m512 wi = _mm512_set1_ps(w[i]);
-    const int p = i & 1;
-    for (int c = 0; c < C; ++c) a[p][c] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(v + i * 16 * C + 16 * c), a[p][c]);
+    for (int c = 0; c < C; ++c) a[0][c] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(v + i * 16 * C + 16 * c), a[0][c]);
   }
   const __m512 scale = _mm512_set1_ps(inv);
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(a[0][c], a[1][c]), scale));
