@@ -107,7 +107,7 @@ def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
     return os.path.join(root, "costs", f"{name}.json")
 
 
-def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int = 3) -> CostCurve:
+def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int = 5) -> CostCurve:
     """The step costs at `batch` rows for K in ks (0: a plain step), measured once per
     machine, model, drafter and shape and cached on disk under $SPECSAMP_CACHE/costs."""
     tokens = sorted({1} | {k + 1 for k in ks})
@@ -117,14 +117,20 @@ def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int =
             raw = json.load(fh)
         return CostCurve(batch, {int(t): s for t, s in raw["score"].items()}, raw["draft"])
 
-    def median(timer):
-        return statistics.median(timer() for _ in range(repeats))
-
     plain = _plain(engine.prog.target)
-    score = {t: median(_timer(plain, engine.target_params, t, slots, batch)) for t in tokens}
+    timers = {t: _timer(plain, engine.target_params, t, slots, batch) for t in tokens}
     drafter = engine.prog.drafter
-    draft = (median(_timer(drafter, engine.draft_params, 1, slots, batch))
-             if drafter is not None and drafter.uses_cache else 0.0)
+    if drafter is not None and drafter.uses_cache:
+        timers["draft"] = _timer(drafter, engine.draft_params, 1, slots, batch)
+    # Interleaved rounds, each call timed against the plain step of its own round: the
+    # policy compares costs across K, and on a machine whose load changes, separate
+    # measurements skewed those ratios (scoring 2 tokens at batch 1 once read 1.36 plain
+    # steps; interleaved, 1.13-1.16 in two runs).
+    rounds = [{name: timer() for name, timer in timers.items()} for _ in range(repeats)]
+    step = statistics.median(r[1] for r in rounds)
+    cost = {name: step * statistics.median(r[name] / r[1] for r in rounds) for name in timers}
+    score = {t: cost[t] for t in tokens}
+    draft = cost.get("draft", 0.0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as fh:
         json.dump({"score": score, "draft": draft}, fh)
