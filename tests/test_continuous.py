@@ -101,3 +101,29 @@ def test_switching_k_samples_exactly():
     for r in cont.run([PROMPT] * n, list(range(n))):
         counts[tuple(r.token_ids[:N_TOKENS])] += 1
     assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+
+
+class _Plain:
+    """A K policy that always picks K = 0 (index 0), counting its calls (one per chunk)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, accepted, tested):
+        self.calls += 1
+        return 0
+
+
+def test_plain_chunks_run_until_slots_free():
+    """Plain chunks test no draft, so the policy's next choice could not differ: they run
+    until rows finish (as an autoregressive engine does), not chunk_rounds at a time.
+    Catches a K = 0 chunk that returns to the host every chunk_rounds rounds."""
+    sp = SamplingParams(0.0)
+    ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
+    policy = _Plain()
+    cont = ContinuousEngine(_eos_engine(sp, "model", 3, max_new=20), batch=3, ks=(0, 3),
+                            policy=policy, chunk_rounds=2)
+    got = cont.run(PROMPTS, SEEDS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    # at most one chunk per finished row (each frees a slot), and far fewer than rounds / 2
+    assert policy.calls <= len(PROMPTS) < cont.k_rounds[0] / 2

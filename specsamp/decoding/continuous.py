@@ -170,9 +170,13 @@ class ContinuousEngine:
             t0 = time.perf_counter()  # a drafter's resync (in _choose) is decode time too
             compiling = run.compile_s
             variant, k = self._choose(run)
+            # Plain chunks teach the policy nothing (no draft is tested), so it would choose
+            # K = 0 again: they run on until slots free up, as an autoregressive engine does
+            # (unless stop strings need the host every chunk_rounds rounds).
+            rounds_cap = self.chunk_rounds if (k or should_stop is not None) else 1 << 30
             traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
                           state=run.state, eos_ids=eos, stop_ids=stops,
-                          max_rounds=jnp.int32(self.chunk_rounds), refill_at=jnp.int32(run.refill_at()))
+                          max_rounds=jnp.int32(rounds_cap), refill_at=jnp.int32(run.refill_at()))
             exe, seconds = compiled(decode_chunk, dict(variant=variant), traced)
             run.compile_s += seconds
             t0 += run.compile_s - compiling  # compiling is not decoding (`compile_s` column)
