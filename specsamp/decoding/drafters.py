@@ -7,9 +7,9 @@
   previous position (EAGLE-style); chains K tokens on its own predicted features.
 - `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
   proposes what followed. Deterministic, so p is a point mass (one-hot).
-- `HybridDrafter`: prompt lookup where it finds a match, a model drafter (e.g. the trained
-  feature draft) for the other rows; the model's chain is skipped in rounds where every
-  running row has a match.
+- `HybridDrafter`: prompt lookup where it finds a match (of 2 tokens or more, as the
+  factory builds it), a model drafter (e.g. the trained feature draft) for the other rows;
+  the model's chain is skipped in rounds where every running row has a match.
 
 Every drafter follows the `Drafter` protocol below and owns its loop state (a pytree it
 defines: a draft model's KV cache, the target's features a feature draft reads), kept in

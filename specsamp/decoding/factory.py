@@ -65,7 +65,10 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
         weights = load(path, True)
         if weights.kind != "feature":
             raise _not_feature(path)
-        drafter = HybridDrafter(NgramDrafter(k, target_cfg.vocab_size, n),
+        # Lookup only for matches of 2 tokens or more: a 1-token match is a worse guess than
+        # the feature draft's (measured on HumanEval chat prompts, stored weights, greedy:
+        # acceptance 0.475 -> 0.59 at K = 1).
+        drafter = HybridDrafter(NgramDrafter(k, target_cfg.vocab_size, n, min_ngram=min(2, n)),
                                 FeatureDrafter(weights.cfg, k, sampling))
     else:
         weights = load(arg, False)
