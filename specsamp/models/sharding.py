@@ -4,8 +4,9 @@ Megatron-style: q/k/v, gate and up are split by output columns, o and down by in
 so each device computes its heads / its slice of the MLP and one all-reduce per block
 joins the partial sums; the head (tied embedding or lm_head) is split by vocabulary rows,
 and the logits stay split: the sampler's reductions over the vocabulary (maxima, sums,
-running mass) run on each device's part and are joined by all-reduces. The KV cache [L, B, J, S, E] is split by KV heads, the
-same way as k and v, so that each device's attention reads only its own cache.
+running mass) run on each device's part and are joined by all-reduces. The KV cache
+[L, B, J, S, E] is split by KV heads, the same way as k and v, so that each device's
+attention reads only its own cache.
 
 Uneven counts: an axis is split only where N divides it; otherwise that weight is
 replicated (every device computes the whole of it, which is correct and costs memory,

@@ -15,11 +15,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -74,10 +74,6 @@ struct Fast {  // vector versions of attend_head's loops, where the CPU has them
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// Scores of n <= 16 consecutive slots (keys k, [n, E]) for one query qs [E], E = 16 * C:
-// per slot, 16 lane sums over E in order, then tree_sum's order. For 16 slots the trees run
-// side by side (a transposing reduction of 16 vectors into one), so no slot pays a serial
-// horizontal sum; a shorter block (the last) sums each slot alone, in the same order.
 template <int C>  // one slot's 16 lane sums q . key over E = 16 * C, in order
 __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, const float* key) {
   __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
@@ -85,6 +81,10 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, con
   return acc;
 }
 
+// Scores of n <= 16 consecutive slots (keys k, [n, E]) for one query qs [E], E = 16 * C:
+// per slot, 16 lane sums over E in order, then tree_sum's order. For 16 slots the trees run
+// side by side (a transposing reduction of 16 vectors into one), so no slot pays a serial
+// horizontal sum; a shorter block (the last) sums each slot alone, in the same order.
 template <int C>
 __attribute__((target("avx512f")))
 void scores_avx512(const float* qs, const float* k, int64_t n, float* out) {
@@ -149,13 +149,7 @@ void weighted_avx512(const float* w, const float* v, int64_t n, float inv, float
 // nulls: the portable loops, same order (also where SPECSAMP_ISA caps the kernels below
 // AVX-512).
 Fast pick_fast(int64_t E) {
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    const char* cap = std::getenv("SPECSAMP_ISA");
-    return __builtin_cpu_supports("avx512f") &&
-           !(cap && (std::strcmp(cap, "portable") == 0 || std::strcmp(cap, "avx2") == 0));
-  }();
-  if (!avx512 || E % 16) return {};
+  if (specsamp::isa() < 2 || E % 16) return {};
   switch (E / 16) {
     case 1: return {scores_avx512<1>, weighted_avx512<1>};
     case 2: return {scores_avx512<2>, weighted_avx512<2>};
@@ -197,12 +191,8 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
         scores[slot] = tree_sum(acc);
       }
     }
-    float mx[kLanes];  // the maximum in lanes (a max is exact in any order; lanes vectorize)
-    for (int l = 0; l < kLanes; ++l) mx[l] = -3.4e38f;
-    for (int64_t slot = 0; slot <= last; ++slot)
-      mx[slot % kLanes] = mx[slot % kLanes] > scores[slot] ? mx[slot % kLanes] : scores[slot];
-    float m = mx[0];
-    for (int l = 1; l < kLanes; ++l) m = std::max(m, mx[l]);
+    float m = -3.4e38f;
+    for (int64_t slot = 0; slot <= last; ++slot) m = std::max(m, scores[slot]);
     float part[kLanes] = {0};
     int64_t slot = 0;
     for (; slot + kLanes <= last + 1; slot += kLanes)

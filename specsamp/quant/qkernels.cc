@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -198,79 +199,53 @@ void q4_avx512_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
 
 // Output rows n0..n1 in pairs where the pass has rows enough to pay (measured: 4 or more),
 // an odd last one alone.
-#define SPECSAMP_PAIRED(name)                                             \
-  template <int NR>                                                       \
-  void name(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {       \
-    const int64_t paired = NR >= 4 ? n0 + (n1 - n0) / 2 * 2 : n0;         \
-    if (paired > n0) name##_tile<2, NR>(p, n0, paired, r0);                \
-    if (paired < n1) name##_tile<1, NR>(p, paired, n1, r0);                \
-  }
-SPECSAMP_PAIRED(q4_avx512)
+template <int NR>
+void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+  const int64_t paired = NR >= 4 ? n0 + (n1 - n0) / 2 * 2 : n0;
+  if (paired > n0) q4_avx512_tile<2, NR>(p, n0, paired, r0);
+  if (paired < n1) q4_avx512_tile<1, NR>(p, paired, n1, r0);
+}
 
-template <int NO, int NR>
+// q8 takes one output row per pass: pairs need more registers than its decode leaves
+// (measured: 0.35 against 0.57 FMAs per cycle on the 49,152 x 576 head).
+template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
-void q8_avx512_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / p.block;
-  alignas(64) float ds[NO][kMaxBlocks + 16];
-  const float* xr = p.x + r0 * p.cols;
-  for (int64_t n = n0; n + NO <= n1; n += NO) {
-    __m512 a0[NO][NR], a1[NO][NR];
-    const float* drow[NO];
-    for (int o = 0; o < NO; ++o) {
-      for (int r = 0; r < NR; ++r) a0[o][r] = a1[o][r] = _mm512_setzero_ps();
-      drow[o] = ds[o];
-      if (p.scale_f32)
-        drow[o] = static_cast<const float*>(p.scale) + (n + o) * nb;
-      else
-        halves_to_floats(static_cast<const uint16_t*>(p.scale) + (n + o) * nb, nb, ds[o]);
-    }
+  alignas(64) float ds[kMaxBlocks + 16];
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const float* drow = ds;
+    if (p.scale_f32)
+      drow = static_cast<const float*>(p.scale) + n * nb;
+    else
+      halves_to_floats(static_cast<const uint16_t*>(p.scale) + n * nb, nb, ds);
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* q[NO];
-      __m512 d[NO];
-      for (int o = 0; o < NO; ++o) {
-        q[o] = reinterpret_cast<const int8_t*>(p.codes) + (n + o) * p.cols + b * p.block;
-        d[o] = _mm512_set1_ps(drow[o][b]);
-      }
-      const float* xb = xr + b * p.block;
+      const __m512 d = _mm512_set1_ps(drow[b]);
+      const uint8_t* q = p.codes + n * p.cols + b * p.block;
+      const float* xb = p.x + r0 * p.cols + b * p.block;
       int64_t j = 0;
       for (; j + 32 <= p.block; j += 32) {
-        __m512 w0[NO], w1[NO];
-        for (int o = 0; o < NO; ++o) {
-          w0[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[o] + j)))), d[o]);
-          w1[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[o] + j + 16)))), d[o]);
-        }
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), d);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j + 16)))), d);
         for (int r = 0; r < NR; ++r) {
-          const __m512 x0 = _mm512_loadu_ps(xb + r * p.cols + j),
-                       x1 = _mm512_loadu_ps(xb + r * p.cols + j + 16);
-          for (int o = 0; o < NO; ++o) {
-            a0[o][r] = _mm512_fmadd_ps(w0[o], x0, a0[o][r]);
-            a1[o][r] = _mm512_fmadd_ps(w1[o], x1, a1[o][r]);
-          }
+          a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * p.cols + j), a0[r]);
+          a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * p.cols + j + 16), a1[r]);
         }
       }
       for (; j < p.block; j += 16) {
-        __m512 w[NO];
-        for (int o = 0; o < NO; ++o)
-          w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[o] + j)))), d[o]);
-        for (int r = 0; r < NR; ++r) {
-          const __m512 x = _mm512_loadu_ps(xb + r * p.cols + j);
-          for (int o = 0; o < NO; ++o) a0[o][r] = _mm512_fmadd_ps(w[o], x, a0[o][r]);
-        }
+        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), d);
+        for (int r = 0; r < NR; ++r)
+          a0[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xb + r * p.cols + j), a0[r]);
       }
     }
-    for (int o = 0; o < NO; ++o)
-      for (int r = 0; r < NR; ++r)
-        p.y[(r0 + r) * p.n + n + o] = _mm512_reduce_add_ps(_mm512_add_ps(a0[o][r], a1[o][r]));
+    for (int r = 0; r < NR; ++r)
+      p.y[(r0 + r) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
   }
-}
-// q8 keeps one output row per pass: pairs need more registers than its decode leaves
-// (measured: 0.35 against 0.57 FMAs per cycle on the 49,152 x 576 head).
-template <int NR>
-void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
-  q8_avx512_tile<1, NR>(p, n0, n1, r0);
 }
 
 // ---- AVX2: 8 lanes, one accumulator per row.
@@ -361,22 +336,6 @@ SPECSAMP_DISPATCH(q8_avx2, 8)
 
 using Kernel = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
-int isa() {  // 2: AVX-512, 1: AVX2, 0: portable (SPECSAMP_ISA=portable|avx2 caps it)
-  static const int level = [] {
-    int best = 0;
-#ifdef SPECSAMP_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
-    if (best && __builtin_cpu_supports("avx512f")) best = 2;
-#endif
-    const char* cap = std::getenv("SPECSAMP_ISA");
-    if (cap && std::strcmp(cap, "portable") == 0) best = 0;
-    if (cap && std::strcmp(cap, "avx2") == 0 && best > 1) best = 1;
-    return best;
-  }();
-  return level;
-}
-
 struct Choice {
   Kernel kernel;
   int64_t rows;  // rows per pass the kernel takes
@@ -388,7 +347,7 @@ Choice pick(bool q4, int64_t block, int64_t cols) {
   // rows at once: 8-20% faster than 12 rows for one (single core, 576 and 1536 inputs).
   const int64_t fit = std::max<int64_t>(1, 10240 / cols);
 #ifdef SPECSAMP_X86
-  const int level = isa();
+  const int level = specsamp::isa();
   if (level == 2 && (q4 || block % 16 == 0) && cols / block <= kMaxBlocks)
     return {q4 ? q4_avx512_rows : q8_avx512_rows, std::min<int64_t>(q4 ? 6 : 12, fit)};
   if (level >= 1 && (q4 || block % 8 == 0))
@@ -504,4 +463,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQMatmul, MatmulImpl,
                                   .RemainingRets()
                                   .Attr<int32_t>("bits"));
 
-extern "C" int specsamp_isa() { return isa(); }
+extern "C" int specsamp_isa() { return specsamp::isa(); }

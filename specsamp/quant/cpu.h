@@ -1,0 +1,28 @@
+// The vector instruction set the native kernels (qkernels.cc, attention.cc) may use.
+
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+
+namespace specsamp {
+
+// 2: AVX-512, 1: AVX2 (with FMA), 0: portable loops. SPECSAMP_ISA=portable|avx2 caps it
+// (the tests run the other paths on an AVX-512 machine this way).
+inline int isa() {
+  static const int level = [] {
+    int best = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
+    if (best && __builtin_cpu_supports("avx512f")) best = 2;
+#endif
+    const char* cap = std::getenv("SPECSAMP_ISA");
+    if (cap && std::strcmp(cap, "portable") == 0) best = 0;
+    if (cap && std::strcmp(cap, "avx2") == 0 && best > 1) best = 1;
+    return best;
+  }();
+  return level;
+}
+
+}  // namespace specsamp
