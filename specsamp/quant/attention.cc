@@ -234,6 +234,10 @@ void write_cache(const Shape& s, const float* fresh, const int32_t* pos, float* 
     }
 }
 
+// (row, KV head) items from this many on (see AttendImpl): 6 items (2 rows) already split
+// evenly between two cores; one row's 3 did not.
+constexpr int64_t kGroupedItems = 6;
+
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                       ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> k_cache,
@@ -262,18 +266,24 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   write_cache(s, k.typed_data(), pos, k_out->typed_data());
   write_cache(s, v.typed_data(), pos, v_out->typed_data());
 
-  // (row, query head) items, split between the caller and the pool (parallel.h): 9 heads
-  // of one row keep two cores busy where its 3 KV heads did not.
+  // Work items, split between the caller and the pool (parallel.h). With few rows, one
+  // item per (row, query head): one row's 9 heads keep two cores busy where its 3 KV heads
+  // did not. With more, one item per (row, KV head) running the heads that share it one
+  // after the other: their keys and values come from memory once and stay in the core's
+  // cache for the next head (items per query head had two cores fetch the same keys at
+  // once). Each head's arithmetic is the same either way.
   const float *queries = q.typed_data(), *kc = k_out->typed_data(), *vc = v_out->typed_data();
   float* o = out->typed_data();
   const Fast fast = pick_fast(s.dim);
   const int64_t g_per = s.heads / s.kv_heads;
-  specsamp::parallel_for(pool, s.batch * s.heads, [&](int64_t i) {
+  const int64_t group = s.batch * s.kv_heads >= kGroupedItems ? g_per : 1;
+  specsamp::parallel_for(pool, s.batch * s.heads / group, [&](int64_t i) {
     thread_local std::vector<float> scores;  // scratch [S + 16] per thread
     scores.resize(s.slots + 16);
-    const int64_t b = i / s.heads, h = i % s.heads;
-    const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + h / g_per) * s.slots * s.dim;
-    attend_head(s, b, h, queries, pos, kc + at, vc + at, o, scores.data(), fast);
+    const int64_t b = i * group / s.heads, h0 = i * group % s.heads;
+    const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + h0 / g_per) * s.slots * s.dim;
+    for (int64_t h = h0; h < h0 + group; ++h)
+      attend_head(s, b, h, queries, pos, kc + at, vc + at, o, scores.data(), fast);
   });
   return ffi::Error::Success();
 }
