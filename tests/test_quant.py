@@ -87,20 +87,28 @@ def test_kernel_matches_reference(kind, rows_x):
     np.testing.assert_allclose(xla, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_kernel_rows_independent_of_batch():
+# (kind, outputs, inputs): 130 outputs take the row-pass kernels only; 112 x 96 (q4) also
+# the many-row path from 16 rows (chunks of 64 and 48 outputs, 3 blocks per row).
+ROWS_CASES = [("Q4_1", 130, 64), ("Q8_0", 130, 64), ("Q4_1", 112, 96)]
+
+
+@pytest.mark.parametrize("kind,n,c", ROWS_CASES)
+def test_kernel_rows_independent_of_batch(kind, n, c):
     """Catches a kernel whose result for a row depends on the other rows in the call: the
-    K+1 scoring block must give what single steps give (greedy equality rests on it)."""
+    K+1 scoring block must give what single steps give (greedy equality rests on it), and
+    the many-row path (prefill, large batches) what the one-row path gives, bit for bit."""
     _kernel_or_skip()
-    for kind in ("Q4_1", "Q8_0"):
-        fields = from_gguf_blocks(random_blocks(kind, 130, 64, seed=4), kind, 130, 64)
-        w = qweight(fields, "cpu")
-        # 70 rows: passes of up to 12 rows, and more than one block of input rows
-        x = jnp.asarray(np.random.default_rng(5).normal(size=(70, 64)).astype(np.float32))
-        f = jax.jit(matmul)
-        together = np.asarray(f(x, w))
-        alone = np.concatenate([np.asarray(f(x[i:i + 1], w)) for i in range(70)])
-        np.testing.assert_array_equal(together, alone)
-        np.testing.assert_array_equal(np.asarray(f(x[:6], w)), alone[:6])
+    fields = from_gguf_blocks(random_blocks(kind, n, c, seed=4), kind, n, c)
+    w = qweight(fields, "cpu")
+    # 70 rows: passes of up to 12 rows, and more than one block of input rows
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(70, c)).astype(np.float32))
+    f = jax.jit(matmul)
+    together = np.asarray(f(x, w))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], w)) for i in range(70)])
+    np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(np.asarray(f(x[:6], w)), alone[:6])
+    want = np.asarray(x, np.float64) @ np.asarray(dequantize(qweight(fields, "xla")), np.float64).T
+    np.testing.assert_allclose(together, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_int8_rows_round_to_nearest():
