@@ -15,7 +15,7 @@ from scipy import stats
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program
-from specsamp.decoding.engine import Engine
+from specsamp.decoding.engine import Engine, prefill_groups
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
 
@@ -134,10 +134,14 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
 @pytest.mark.parametrize("drafter", ["model", "ngram", "feature", "hybrid"])
 def test_sample_depends_only_on_its_seed_not_its_batch(drafter):
     """Tokens and statistics of a row are the same alone and among other rows (n-gram: a
-    batch-mate with a match must not change a row that has none, and vice versa)."""
+    batch-mate with a match must not change a row that has none, and vice versa), also when
+    the batch's prefill runs in groups of different padded lengths (a row scattered into
+    another's slot, or prefilled at the wrong width, fails here)."""
     sp = SamplingParams(1.0, 0, 0.9)
     engine = make_engine(sp, drafter, 3, max_new=12)
-    prompts, seeds = [[5, 4], PROMPT, [7, 6, 5, 4, 3], [1, 2, 1, 2, 1, 2]], [1, 42, 3, 9]
+    prompts = [[5, 4], PROMPT, [3, 1] * 35, [7, 6, 5, 4, 3], [2, 6] * 20, [1, 2, 1, 2, 1, 2]]
+    seeds = [1, 42, 5, 3, 7, 9]
+    assert len(prefill_groups([len(p) for p in prompts])) == 3  # 4 rows of 32, 1 of 64, 1 of 96
     batched = engine.run(prompts, seeds)
     for prompt, seed, together in zip(prompts, seeds, batched):
         alone = engine.run([prompt], [seed])[0]

@@ -27,11 +27,10 @@ import numpy as np
 
 from specsamp.compilation import compiled
 from specsamp.decoding import stats
-from specsamp.decoding.decode import Program, _ar_round, _spec_round, new_state, prefill
-from specsamp.decoding.engine import Engine, RawSample, prompt_bucket
+from specsamp.decoding.decode import Program, _ar_round, _spec_round, insert, new_state
+from specsamp.decoding.engine import Engine, RawSample, prefill_groups, prompt_bucket
 from specsamp.decoding.rounds import from_log
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
-from specsamp.models import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,32 +50,6 @@ def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeSt
                       jnp.zeros((batch,), jnp.uint32), slots)
     state = state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
     return jax.tree.map(jnp.copy, state)  # own buffers (length and prompt_len alias): donated
-
-
-def _scatter(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
-    """state's rows `slots` = fresh's rows (every field, the drafter's state included);
-    slots past the batch are dropped (padding)."""
-    def put(axis):
-        def f(full, part):
-            index = (slice(None),) * axis + (slots,)
-            return full.at[index].set(part, mode="drop")
-        return f
-
-    def rows(full, part):  # KV caches are [L, B, J, S, E]: their batch axis is 1
-        if isinstance(full, KVCache):
-            return jax.tree.map(put(1), full, part)
-        return put(0)(full, part)
-
-    return jax.tree.map(rows, state, fresh, is_leaf=lambda x: isinstance(x, KVCache))
-
-
-@jax.jit(static_argnames=("prog", "max_new", "width"), donate_argnames=("state",))
-def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
-           slots, max_new: int, width: int) -> DecodeState:
-    """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state."""
-    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1])
-    fresh = prefill(prog, target_params, draft_params, fresh, width)
-    return _scatter(state, fresh, slots)
 
 
 def _round(variant: Variant, target_params, draft_params, state, eos_ids, stop_ids):
@@ -242,18 +215,26 @@ class _Run:
         take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
         if not take:
             return
-        eng, b = self.owner.engine, self.owner.batch
-        n = min(1 << (len(take) - 1).bit_length(), b)  # few shapes: powers of two
-        bucket = prompt_bucket(max(len(self.prompts[i]) for i in take))
-        padded = np.zeros((n, bucket), np.int32)
-        lens, seeds = np.ones(n, np.int32), np.zeros(n, np.uint32)
-        where = np.full(n, b, np.int32)  # padding rows go to slot b: dropped
         for j, i in enumerate(take):
-            ids = self.prompts[i]
-            padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], free[j]
             self.slot_row[free[j]] = i
             self.calls[free[j]] = self.accepted[free[j]] = self.tested[free[j]] = 0
             self.reason[free[j]] = RUNNING
+        groups = prefill_groups([len(self.prompts[i]) for i in take])
+        for members, bucket in groups:
+            self._insert([take[j] for j in members], [free[j] for j in members], bucket,
+                         pad_rows=len(groups) == 1)
+
+    def _insert(self, rows: list[int], slots: list[int], bucket: int, pad_rows: bool) -> None:
+        """Prefill prompts `rows` into `slots` in one call; with pad_rows, the call's row
+        count is rounded up to a power of two (few shapes; padding rows are dropped)."""
+        eng, b = self.owner.engine, self.owner.batch
+        n = min(1 << (len(rows) - 1).bit_length(), b) if pad_rows else len(rows)
+        padded = np.zeros((n, bucket), np.int32)
+        lens, seeds = np.ones(n, np.int32), np.zeros(n, np.uint32)
+        where = np.full(n, b, np.int32)  # padding rows go to slot b: dropped
+        for j, (i, slot) in enumerate(zip(rows, slots)):
+            ids = self.prompts[i]
+            padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], slot
         traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
                       state=self.state, prompts=jnp.asarray(padded), lens=jnp.asarray(lens),
                       seeds=jnp.asarray(seeds), slots=jnp.asarray(where))
@@ -266,8 +247,8 @@ class _Run:
         jax.block_until_ready(self.state.length)
         seconds = time.perf_counter() - t0
         self.owner.prefill_s += seconds
-        share = seconds / len(take)  # the rows' shares add up to the call's time
-        for i in take:
+        share = seconds / len(rows)  # the rows' shares add up to the call's time
+        for i in rows:
             self.prefill_s[i] = share
 
     def charge_decode(self, seconds: float, rounds: int, k: int) -> None:

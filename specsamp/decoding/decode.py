@@ -20,7 +20,7 @@ from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
     RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
 )
-from specsamp.models import Model, ModelConfig, init_cache
+from specsamp.models import KVCache, Model, ModelConfig, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,32 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, widt
         draft = prog.drafter.observe(state.draft, hidden, start)
         state = state.replace(draft=prog.drafter.prefill(draft_params, tokens, draft))
     return state
+
+
+def scatter_rows(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
+    """state's rows `slots` = fresh's rows (every field, the drafter's state included);
+    slots past the batch are dropped (padding)."""
+    def put(axis):
+        def f(full, part):
+            index = (slice(None),) * axis + (slots,)
+            return full.at[index].set(part, mode="drop")
+        return f
+
+    def rows(full, part):  # KV caches are [L, B, J, S, E]: their batch axis is 1
+        if isinstance(full, KVCache):
+            return jax.tree.map(put(1), full, part)
+        return put(0)(full, part)
+
+    return jax.tree.map(rows, state, fresh, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@jax.jit(static_argnames=("prog", "max_new", "width"), donate_argnames=("state",))
+def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
+           slots, max_new: int, width: int) -> DecodeState:
+    """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state."""
+    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1])
+    fresh = prefill(prog, target_params, draft_params, fresh, width)
+    return scatter_rows(state, fresh, slots)
 
 
 def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
