@@ -88,7 +88,7 @@ def test_kernel_matches_reference(kind, rows_x):
 
 
 # (kind, outputs, inputs): 130 outputs take the row-pass kernels only; 112 x 96 (q4) also
-# the many-row path from 16 rows (chunks of 64 and 48 outputs, 3 blocks per row).
+# the many-row path from 24 rows (chunks of 64 and 48 outputs, 3 blocks per row).
 ROWS_CASES = [("Q4_1", 130, 64), ("Q8_0", 130, 64), ("Q4_1", 112, 96)]
 
 

@@ -386,10 +386,12 @@ Choice pick(bool q4, int64_t block, int64_t cols, int64_t n, int64_t rows) {
   const int64_t fit = std::max<int64_t>(1, 10240 / cols);
 #ifdef SPECSAMP_X86
   const int level = specsamp::isa();
-  // The many-row path (q4gemm.h) from 16 rows, for up to 1,024 inputs: there it is 15-20%
-  // faster (prefill, batch 8 x 200 tokens, profiled); with 1,536 inputs 6 rows' inputs no
-  // longer stay in L1 and it was 15% slower.
-  const bool gemm = q4 && n % 16 == 0 && cols <= 1024 && rows >= 16;
+  // The many-row path (q4gemm.h) from 24 rows, for up to 1,024 inputs: there it is 15-20%
+  // faster (prefill, batch 8 x 200 tokens, profiled; 1,536 x 576 on one core: 0.62 against
+  // 0.66 FMAs per cycle at 16 rows, even at 24, 0.73 against 0.57-0.63 at 32). With 1,536
+  // inputs 6 rows' inputs no longer stay in L1 and it was 15% slower. (Q8_0 the same way,
+  // tried on the head: slower at 16 and 32 rows, its decoding gathers twice the bytes.)
+  const bool gemm = q4 && n % 16 == 0 && cols <= 1024 && rows >= 24;
   if (level == 2 && (q4 || block % 16 == 0) && cols / block <= kMaxBlocks)
     return {q4 ? q4_avx512_rows : q8_avx512_rows, std::min<int64_t>(q4 ? 6 : 12, fit),
             gemm ? q4_gemm : nullptr};
