@@ -67,8 +67,10 @@ class _Cycle:
     def __init__(self, n):
         self.n, self.i, self.seen = n, -1, []
 
-    def __call__(self, accepted, tested):
+    def __call__(self, accepted, tested, depth):
         assert np.all(accepted <= tested)
+        kept, tried = depth  # by draft position: position d + 1 is tried only after d is kept
+        assert np.all(kept <= tried) and np.all(tried[1:] <= kept[:-1])
         self.seen.append(len(tested))
         self.i = (self.i + 1) % self.n
         return self.i
@@ -109,7 +111,7 @@ class _Plain:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, accepted, tested):
+    def __call__(self, accepted, tested, depth):
         self.calls += 1
         return 0
 

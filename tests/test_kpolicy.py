@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specsamp.decoding.costs import CostCurve
-from specsamp.decoding.kpolicy import KPolicy
+from specsamp.decoding.kpolicy import KPolicy, depth_counts, expected_tokens_by_position
 from specsamp.decoding.stats import expected_tokens
 
 KS = (0, 1, 2, 4)
@@ -37,6 +37,27 @@ def test_choice_follows_acceptance_at_a_middle_cost():
     assert KS[policy(np.array([90.0]), np.array([100.0]))] == 4
     assert KS[policy(np.array([10.0]), np.array([100.0]))] == 0
     assert policy.chosen == [4, 0]
+
+
+def test_depth_counts_by_draft_position():
+    """Loops that kept 0, 2 and 4 of 4 tokens: position 1 tested 3 times and kept twice,
+    position 4 tested and kept once (a loop tests up to its first rejection)."""
+    accepted, tested = depth_counts([0, 2, 4], 4)
+    assert accepted.tolist() == [2, 2, 1, 1] and tested.tolist() == [3, 2, 2, 1]
+    rates = np.ones(4)
+    assert expected_tokens_by_position(0.5, rates, 3) == pytest.approx(expected_tokens(0.5, 3))
+
+
+def test_deep_positions_kept_rarely_shorten_the_draft():
+    """Rows that accept 90%: 4 tokens under the plain model, but when the run shows the
+    draft's second to fourth guesses kept 1 time in 10 (a chained draft), 1 token; with no
+    round yet past position 1, the plain model's choice."""
+    policy = _policy(lambda t: 1 + 0.2 * (t - 1), draft=0.02)
+    acc, tested = np.array([90.0]), np.array([100.0])
+    first_only = (np.array([90.0, 0, 0, 0]), np.array([100.0, 0, 0, 0]))
+    assert KS[policy(acc, tested, first_only)] == 4
+    chained = (np.array([900.0, 90, 9, 1]), np.array([1000.0, 900, 90, 9]))
+    assert KS[policy(acc, tested, chained)] == 1
 
 
 def test_fresh_rows_borrow_the_pooled_rate():

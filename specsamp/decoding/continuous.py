@@ -29,6 +29,7 @@ from specsamp.compilation import compiled
 from specsamp.decoding import stats
 from specsamp.decoding.decode import Program, _ar_round, _spec_round, insert, new_state
 from specsamp.decoding.engine import Engine, RawSample, prefill_groups, prompt_bucket
+from specsamp.decoding.kpolicy import depth_counts
 from specsamp.decoding.rounds import from_log
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
 
@@ -88,9 +89,9 @@ def decode_chunk(variant: Variant, target_params, draft_params, state: DecodeSta
     return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
 
 
-# policy(accepted, tested) -> index into the engine's ks: accepted and tested draft tokens of
-# each running row so far.
-PolicyFn = Callable[[np.ndarray, np.ndarray], int]
+# policy(accepted, tested, depth) -> index into the engine's ks: accepted and tested draft
+# tokens of each running row so far, and the run's (accepted, tested) by draft position.
+PolicyFn = Callable[[np.ndarray, np.ndarray, tuple], int]
 
 
 @dataclasses.dataclass
@@ -98,8 +99,9 @@ class ContinuousEngine:
     """Runs prompts through `batch` slots of one `Engine`'s program.
 
     ks: the K values it may switch between per chunk (0: plain rounds), default the
-    program's own K; `policy(accepted, tested)` picks an index into ks from the running
-    rows' accepted and tested draft tokens (`specsamp.decoding.kpolicy.KPolicy`).
+    program's own K; `policy(accepted, tested, depth)` picks an index into ks from the
+    running rows' accepted and tested draft tokens and the run's by draft position
+    (`specsamp.decoding.kpolicy.KPolicy`).
     """
 
     engine: Engine
@@ -197,6 +199,8 @@ class _Run:
         self.compile_s = 0.0  # compiled since the last collected row (charged to the next one)
         self.accepted = np.zeros(owner.batch)
         self.tested = np.zeros(owner.batch)
+        depth = max(owner.ks, default=0)
+        self.depth = (np.zeros(depth), np.zeros(depth))  # the run's, by draft position
         self.reason = np.full(owner.batch, MAX_TOKENS)
         self.plain = False  # the last chunk ran plain rounds (the drafter's cache is behind)
         self.results: list = [None] * len(prompts)
@@ -261,15 +265,20 @@ class _Run:
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
             new = log[s, self.calls[s] : calls[s]]
-            accepted, _, tested = stats.loop_counts(new[new >= 0], k)  # -1: a plain round
+            loops = new[new >= 0]  # -1: a plain round
+            accepted, _, tested = stats.loop_counts(loops, k)
             self.accepted[s] += accepted
             self.tested[s] += tested
+            if k:
+                for total, part in zip(self.depth, depth_counts(loops, k)):
+                    total[:k] += part
         self.calls = calls.astype(np.int64)
 
-    def acceptance(self) -> tuple[np.ndarray, np.ndarray]:
-        """(accepted, tested) draft tokens so far of each running row."""
+    def acceptance(self) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """(accepted, tested) draft tokens so far of each running row, and the run's
+        (accepted, tested) by draft position."""
         running = [s for s in self.active() if self.reason[s] == RUNNING]
-        return self.accepted[running], self.tested[running]
+        return self.accepted[running], self.tested[running], self.depth
 
     def apply_stop_strings(self, should_stop) -> None:
         reason = np.asarray(self.state.stop_reason).copy()

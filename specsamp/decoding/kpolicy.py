@@ -7,7 +7,11 @@ compute-bound and growing with K at large ones), and yields, for each running ro
 acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the paper's cost model;
 SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
 estimate, shrunk toward the batch's pooled rate so that a fresh row starts from what its
-neighbours show.
+neighbours show. Deeper draft positions need not be kept as often as the first (a trained
+draft's chained guesses are worse than its first): the rate of each position d given the
+ones before it, pooled over the run's rows, scales the row's rate there
+(`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
+taken to be the first position's, the plain model.
 
 Exactness: every round is exact whatever K it runs at, and K is chosen from the past only,
 so samples follow the target's distribution (checked by chi-square in the tests); greedy
@@ -26,6 +30,28 @@ from specsamp.decoding.costs import CostCurve
 from specsamp.decoding.stats import expected_tokens
 
 
+def depth_counts(accepted_per_loop, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(accepted, tested) draft tokens of loops at draft length k by position in the draft
+    (index d - 1 for position d): a loop that kept n draft tokens tested positions
+    1..min(n + 1, k) and accepted positions 1..n."""
+    accepted, tested = np.zeros(k), np.zeros(k)
+    for n in accepted_per_loop:
+        accepted[: int(n)] += 1
+        tested[: min(int(n) + 1, k)] += 1
+    return accepted, tested
+
+
+def expected_tokens_by_position(a, rates, k: int):
+    """E[tokens per round] when draft position d is kept with probability a * rates[d - 1]
+    given the positions before it were: 1 + the sum over j <= K of the products up to j
+    (all rates 1: the geometric sum of `expected_tokens`). `a`: a float or a numpy array."""
+    total, kept = 1.0, 1.0
+    for d in range(k):
+        kept = kept * np.minimum(a * rates[d], 0.999)
+        total = total + kept
+    return total
+
+
 @dataclasses.dataclass
 class KPolicy:
     """policy(accepted, tested) -> index into ks, from the running rows' accepted and tested
@@ -34,6 +60,7 @@ class KPolicy:
     curve: CostCurve
     ks: Sequence[int]
     prior_weight: float = 4.0  # pseudo-observations of the pooled rate per row
+    depth_weight: float = 16.0  # pseudo-observations of the first position's rate, per position
 
     def __post_init__(self):
         self.chosen: list[int] = []
@@ -45,13 +72,31 @@ class KPolicy:
         pooled = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
         return (accepted + self.prior_weight * pooled) / (tested + self.prior_weight)
 
-    def tokens_per_second(self, k: int, alpha: np.ndarray) -> float:
-        return float(expected_tokens(alpha, k).sum()) / self.round_seconds(k)
+    def position_rates(self, depth) -> np.ndarray:
+        """Each draft position's rate given the ones before it, over the rate of all tested
+        positions together (what a row's alpha estimates), from the run's pooled (accepted,
+        tested) by position; a position no round tested yet is taken at the first one's."""
+        k = max(self.ks)
+        accepted, tested = (np.resize(np.asarray(a, float), k) if len(a) else np.zeros(k)
+                            for a in depth)
+        overall = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
+        first = (accepted[0] + 1.0) / (tested[0] + 2.0)
+        rate = (accepted + self.depth_weight * first) / (tested + self.depth_weight)
+        rate[0] = first
+        return rate / overall
 
-    def __call__(self, accepted: np.ndarray, tested: np.ndarray) -> int:
+    def tokens_per_second(self, k: int, alpha: np.ndarray, rates=None) -> float:
+        tokens = (expected_tokens(alpha, k) if rates is None
+                  else expected_tokens_by_position(alpha, rates, k))
+        return float(np.sum(tokens)) / self.round_seconds(k)
+
+    def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None) -> int:
+        """depth: the run's (accepted, tested) draft tokens by position, pooled over rows
+        (`depth_counts`), or None for the plain model."""
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
-        rates = [self.tokens_per_second(k, alpha) for k in self.ks]
-        best = int(np.argmax(rates))
+        by_position = None if depth is None else self.position_rates(depth)
+        speeds = [self.tokens_per_second(k, alpha, by_position) for k in self.ks]
+        best = int(np.argmax(speeds))
         self.chosen.append(self.ks[best])
         return best
 
