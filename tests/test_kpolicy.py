@@ -25,9 +25,15 @@ def test_flat_scoring_costs_favour_long_drafts():
 
 
 def test_compute_bound_scoring_turns_drafting_off():
-    """Compute-bound (cost grows with tokens scored) and alpha 0.3: plain rounds win."""
+    """Compute-bound (cost grows with tokens scored) and alpha 0.3: plain rounds win, also
+    with rates by draft position (each row counts one token at K = 0, not the batch one)."""
     policy = _policy(lambda t: float(t), draft=0.05)
     assert KS[policy(np.array([3.0, 3.0]), np.array([10.0, 10.0]))] == 0
+    depth = (np.array([6.0, 0, 0, 0]), np.array([20.0, 0, 0, 0]))
+    assert KS[policy(np.array([3.0, 3.0]), np.array([10.0, 10.0]), depth)] == 0
+    many = np.full(32, 6.0), np.full(32, 10.0)  # alpha 0.6 at a batch-32-like curve
+    batch32 = KPolicy(CostCurve(32, {1: 0.102, 2: 0.172, 3: 0.231, 5: 0.347}, 0.0128), KS)
+    assert KS[batch32(*many, (np.array([192.0, 0, 0, 0]), np.array([320.0, 0, 0, 0])))] == 0
 
 
 def test_choice_follows_acceptance_at_a_middle_cost():

@@ -45,7 +45,8 @@ def expected_tokens_by_position(a, rates, k: int):
     """E[tokens per round] when draft position d is kept with probability a * rates[d - 1]
     given the positions before it were: 1 + the sum over j <= K of the products up to j
     (all rates 1: the geometric sum of `expected_tokens`). `a`: a float or a numpy array."""
-    total, kept = 1.0, 1.0
+    a = np.asarray(a, float)
+    total, kept = np.ones_like(a), np.ones_like(a)  # one token per row at K = 0
     for d in range(k):
         kept = kept * np.minimum(a * rates[d], 0.999)
         total = total + kept
