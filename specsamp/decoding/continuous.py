@@ -90,7 +90,7 @@ def decode_chunk(variant: Variant, target_params, draft_params, state: DecodeSta
 
 
 # policy(accepted, tested, depth) -> index into the engine's ks: accepted and tested draft
-# tokens of each running row so far, and the run's (accepted, tested) by draft position.
+# tokens of each running row so far, and the engine's (accepted, tested) by draft position.
 PolicyFn = Callable[[np.ndarray, np.ndarray, tuple], int]
 
 
@@ -100,7 +100,7 @@ class ContinuousEngine:
 
     ks: the K values it may switch between per chunk (0: plain rounds), default the
     program's own K; `policy(accepted, tested, depth)` picks an index into ks from the
-    running rows' accepted and tested draft tokens and the run's by draft position
+    running rows' accepted and tested draft tokens and the engine's by draft position
     (`specsamp.decoding.kpolicy.KPolicy`).
     """
 
@@ -119,6 +119,9 @@ class ContinuousEngine:
                           else Variant(dataclasses.replace(prog, drafter=prog.drafter.with_k(k)))
                           for k in self.ks]
         self.k_rounds = collections.Counter()  # rounds run per K (statistics)
+        # The drafter's accepted and tested tokens by draft position, pooled over every
+        # row this engine ran (for the K policy: a property of the drafter, not of a run).
+        self.depth = (np.zeros(max(self.ks)), np.zeros(max(self.ks)))
         self.prefill_s = self.decode_s = 0.0  # wall seconds of inserts / chunks, all runs
 
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
@@ -199,8 +202,7 @@ class _Run:
         self.compile_s = 0.0  # compiled since the last collected row (charged to the next one)
         self.accepted = np.zeros(owner.batch)
         self.tested = np.zeros(owner.batch)
-        depth = max(owner.ks, default=0)
-        self.depth = (np.zeros(depth), np.zeros(depth))  # the run's, by draft position
+        self.depth = owner.depth  # accepted, tested by draft position (updated in place)
         self.reason = np.full(owner.batch, MAX_TOKENS)
         self.plain = False  # the last chunk ran plain rounds (the drafter's cache is behind)
         self.results: list = [None] * len(prompts)
@@ -275,8 +277,8 @@ class _Run:
         self.calls = calls.astype(np.int64)
 
     def acceptance(self) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """(accepted, tested) draft tokens so far of each running row, and the run's
-        (accepted, tested) by draft position."""
+        """(accepted, tested) draft tokens so far of each running row, and the engine's
+        (accepted, tested) by draft position, over all its runs."""
         running = [s for s in self.active() if self.reason[s] == RUNNING]
         return self.accepted[running], self.tested[running], self.depth
 

@@ -9,7 +9,7 @@ SmartSpec's goodput rule, here with measured batch costs). Each row's a is its r
 estimate, shrunk toward the batch's pooled rate so that a fresh row starts from what its
 neighbours show. Deeper draft positions need not be kept as often as the first (a trained
 draft's chained guesses are worse than its first): the rate of each position d given the
-ones before it, pooled over the run's rows, scales the row's rate there
+ones before it, pooled over every row the engine ran, scales the row's rate there
 (`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
 taken to be the first position's, the plain model.
 
@@ -75,7 +75,7 @@ class KPolicy:
 
     def position_rates(self, depth) -> np.ndarray:
         """Each draft position's rate given the ones before it, over the rate of all tested
-        positions together (what a row's alpha estimates), from the run's pooled (accepted,
+        positions together (what a row's alpha estimates), from the pooled (accepted,
         tested) by position; a position no round tested yet is taken at the first one's."""
         k = max(self.ks)
         accepted, tested = (np.resize(np.asarray(a, float), k) if len(a) else np.zeros(k)
@@ -92,7 +92,7 @@ class KPolicy:
         return float(np.sum(tokens)) / self.round_seconds(k)
 
     def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None) -> int:
-        """depth: the run's (accepted, tested) draft tokens by position, pooled over rows
+        """depth: (accepted, tested) draft tokens by position, pooled over rows
         (`depth_counts`), or None for the plain model."""
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
         by_position = None if depth is None else self.position_rates(depth)
