@@ -49,8 +49,7 @@ def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeSt
     ones = jnp.ones((batch,), jnp.int32)
     state = new_state(prog, jnp.zeros((batch, 1), jnp.int32), ones, max_new,
                       jnp.zeros((batch,), jnp.uint32), slots)
-    state = state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
-    return jax.tree.map(jnp.copy, state)  # own buffers (length and prompt_len alias): donated
+    return state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
 
 
 def _round(variant: Variant, target_params, draft_params, state, eos_ids, stop_ids):
@@ -202,7 +201,6 @@ class _Run:
         self.compile_s = 0.0  # compiled since the last collected row (charged to the next one)
         self.accepted = np.zeros(owner.batch)
         self.tested = np.zeros(owner.batch)
-        self.depth = owner.depth  # accepted, tested by draft position (updated in place)
         self.reason = np.full(owner.batch, MAX_TOKENS)
         self.plain = False  # the last chunk ran plain rounds (the drafter's cache is behind)
         self.results: list = [None] * len(prompts)
@@ -272,7 +270,7 @@ class _Run:
             self.accepted[s] += accepted
             self.tested[s] += tested
             if k:
-                for total, part in zip(self.depth, depth_counts(loops, k)):
+                for total, part in zip(self.owner.depth, depth_counts(loops, k)):
                     total[:k] += part
         self.calls = calls.astype(np.int64)
 
@@ -280,7 +278,7 @@ class _Run:
         """(accepted, tested) draft tokens so far of each running row, and the engine's
         (accepted, tested) by draft position, over all its runs."""
         running = [s for s in self.active() if self.reason[s] == RUNNING]
-        return self.accepted[running], self.tested[running], self.depth
+        return self.accepted[running], self.tested[running], self.owner.depth
 
     def apply_stop_strings(self, should_stop) -> None:
         reason = np.asarray(self.state.stop_reason).copy()

@@ -44,7 +44,7 @@ def new_state(
     return DecodeState(
         tokens=tokens,
         length=prompt_len.astype(jnp.int32),
-        prompt_len=prompt_len.astype(jnp.int32),
+        prompt_len=jnp.array(prompt_len, jnp.int32),  # its own buffer: states are donated
         max_len=prompt_len.astype(jnp.int32) + max_new,
         keys=jax.vmap(jax.random.PRNGKey)(seeds),
         stop_reason=jnp.full((b,), RUNNING, jnp.int32),

@@ -204,8 +204,7 @@ class Engine:
             exe, seconds = compiled(prefill, dict(prog=self.prog, width=groups[0][1] - 1),
                                     dict(**params, state=state))
             return [lambda st: exe(**params, state=st)], seconds
-        # inserts donate the state: its length and prompt_len must not share a buffer
-        calls, total = [lambda st: st.replace(length=jnp.copy(st.length))], 0.0
+        calls, total = [], 0.0
         for rows, bucket in groups:
             at = np.asarray(rows)
             traced = dict(**params, prompts=jnp.asarray(padded[at, :bucket]),

@@ -76,10 +76,9 @@ class KPolicy:
     def position_rates(self, depth) -> np.ndarray:
         """Each draft position's rate given the ones before it, over the rate of all tested
         positions together (what a row's alpha estimates), from the pooled (accepted,
-        tested) by position; a position no round tested yet is taken at the first one's."""
-        k = max(self.ks)
-        accepted, tested = (np.resize(np.asarray(a, float), k) if len(a) else np.zeros(k)
-                            for a in depth)
+        tested) by position (one entry per position up to max(ks)); a position no round
+        tested yet is taken at the first one's."""
+        accepted, tested = (np.asarray(a, float) for a in depth)
         overall = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
         first = (accepted[0] + 1.0) / (tested[0] + 2.0)
         rate = (accepted + self.depth_weight * first) / (tested + self.depth_weight)

@@ -18,7 +18,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace specsamp {
 
@@ -89,7 +88,7 @@ inline void q4_chain(const float* wt, const float* x, int64_t cols, int l, __m51
 
 // y[r, 16 v + lane] for R rows and NV vectors of outputs from the decoded chunk wt.
 // Residues 0-15 first, then 16-31: a row's inputs 32 b + l for l < 16 share cache lines,
-// so each half's lines (6 rows x 48 blocks at most: 18 KB) stay in L1 while their 16
+// so each half's lines (6 rows x 32 blocks at most: 12 KB) stay in L1 while their 16
 // chains run. V_l = S_l + S_l+16 is kept in memory between the halves.
 template <int NV, int R>
 __attribute__((target("avx512f,fma")))

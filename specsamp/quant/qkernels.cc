@@ -29,12 +29,10 @@
 #include "xla/ffi/api/ffi.h"
 #include "cpu.h"
 #include "parallel.h"
-#if defined(__x86_64__) || defined(_M_X64)
-#include "q4gemm.h"
-#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#include "q4gemm.h"
 #define SPECSAMP_X86 1
 #endif
 
