@@ -186,10 +186,9 @@ def count_row(tag: str, row: dict) -> None:
     Metrics.counter(NAMESPACE, "generated_tokens").inc(row["generated_tokens"])
     Metrics.counter(NAMESPACE, "target_calls").inc(row["target_calls"])
     if row["mode"] == "speculative":
-        accepted, drafted, _ = stats.loop_counts(row["accepted_per_loop"], row["k"])
+        accepted, drafted, _ = stats.loop_counts(row["accepted_per_loop"], row["drafted_per_loop"])
         Metrics.counter(NAMESPACE, "accepted_tokens").inc(accepted)
-        if row["k"] > 0:  # k auto (-1) drafts a K chosen per round
-            Metrics.counter(NAMESPACE, "drafted_tokens").inc(drafted)
+        Metrics.counter(NAMESPACE, "drafted_tokens").inc(drafted)
 
 
 def _resolve(loader: str):

@@ -17,7 +17,7 @@ from specsamp.loading.fs import filesystem, glob, join
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]
 _COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop",
-                   "ms_per_token", "compile_s"]
+                   "drafted_per_loop", "ms_per_token", "compile_s"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _stats(key, rs: list[dict]) -> SettingStats:
     mode, draft, k = key
     tokens = sum(r["generated_tokens"] for r in rs)
     calls = sum(r["target_calls"] for r in rs)
-    counts = [stats.loop_counts(r["accepted_per_loop"], k) for r in rs]
+    counts = [stats.loop_counts(r["accepted_per_loop"], r["drafted_per_loop"]) for r in rs]
     accepted, drafted = sum(c[0] for c in counts), sum(c[1] for c in counts)
     ms = [r["ms_per_token"] for r in rs if r["ms_per_token"] is not None and not math.isnan(r["ms_per_token"])]
     return SettingStats(mode, draft, k, len(rs), stats.acceptance_rate(accepted, drafted),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _META_KEY = b"specsamp.schema_version"
 
 
@@ -60,7 +60,8 @@ COMPLETIONS = pa.schema(
         _f("target_calls", pa.int32(), "Target model calls (rounds) that produced the generated tokens: speculative loops plus plain steps (an n-gram round without a match; every round of the baseline)."),
         _f("draft_calls", pa.int32(), "Draft model calls in those rounds (K per loop of a draft model; 0 for n-gram; a hybrid: 1 in lookup loops)."),
         _f("accepted_per_loop", pa.list_(pa.int32()), "Per speculative loop (a call that scored a draft): draft tokens kept by the rejection rule and emitted, 0..K; a loop ended early by EOS, a stop or the token limit counts only the draft tokens it emitted."),
-        _f("acceptance_rate", pa.float64(), "sum(accepted_per_loop) / (K x loops) (NaN for autoregressive)."),
+        _f("drafted_per_loop", pa.list_(pa.int32()), "Per speculative loop: draft tokens it scored, its K (the setting's k, or the K that k auto chose for that round); same length as accepted_per_loop."),
+        _f("acceptance_rate", pa.float64(), "sum(accepted_per_loop) / sum(drafted_per_loop) (NaN for autoregressive)."),
         _f("tokens_per_call", pa.float64(), "Generated tokens / target calls."),
         _f("prefill_s", pa.float64(), "Seconds of the batch's prompt pass (both models), compilation excluded."),
         _f("decode_s", pa.float64(), "Seconds of decoding until this sample's last emitted token, compilation excluded: the batch's decode time x target_calls / the rounds the batch ran (rounds of a batch take equal time); at batch size 1, the measured time less any rounds run past a stop string."),

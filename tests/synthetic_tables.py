@@ -30,7 +30,7 @@ def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s
         "mode": mode, "draft": "d" if mode == "speculative" else "none",
         "k": k if mode == "speculative" else 0, "temperature": temperature, "seed": i,
         "target_calls": loops, "draft_calls": k * loops if mode == "speculative" else 0,
-        "accepted_per_loop": accepted,
+        "accepted_per_loop": accepted, "drafted_per_loop": [k] * len(accepted),
         "acceptance_rate": sum(accepted) / (k * len(accepted)) if accepted else float("nan"),
         "tokens_per_call": tokens / loops if loops else float("nan"), "prefill_s": prefill_s, "decode_s": decode_s,
         "total_s": prefill_s + decode_s,

@@ -76,11 +76,12 @@ class _Cycle:
         return self.i
 
 
-@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+@pytest.mark.parametrize("drafter", ["model", "hybrid", "hybrid-wide"])
 def test_switching_k_between_chunks_keeps_greedy_output(drafter):
     """Chunks alternate K = 0 (plain rounds, after which the drafter's cache is rebuilt),
     1 and 3: greedy output equals the static autoregressive engine's token for token.
-    Catches a K switch that corrupts the state or a stale draft cache that changes output."""
+    Catches a K switch that corrupts the state or a stale draft cache that changes output
+    (hybrid-wide: with wide rounds of 3 lookup tokens inside K = 1 chunks)."""
     sp = SamplingParams(0.0)
     ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
     policy = _Cycle(3)

@@ -47,12 +47,14 @@ def exact_joint(sp: SamplingParams) -> np.ndarray:
 # Each test's drafter as a draft string, built by the one factory users' drafters come from.
 DRAFTS = {"none": "none", "model": "tiny-draft", "early-exit": "early-exit:1", "ngram": "ngram",
           "feature": "tiny-feature", "feature-reduced": "tiny-feature-reduced",
-          "hybrid": "ngram+tiny-feature-reduced"}
+          "hybrid": "ngram+tiny-feature-reduced", "hybrid-wide": "ngram+tiny-feature-reduced"}
+WIDE = 3  # "hybrid-wide": wide lookup rounds of 3 tokens on 3-token matches (`k auto`'s)
 
 
 def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
-    drafter, draft_params = tiny.drafter(DRAFTS[drafter_kind], k, sp)
-    if drafter_kind == "hybrid":  # the factory's hybrid looks up 2-grams and longer only
+    drafter, draft_params = tiny.drafter(DRAFTS[drafter_kind], k, sp,
+                                         wide=WIDE if drafter_kind == "hybrid-wide" else 0)
+    if drafter_kind.startswith("hybrid"):  # the factory's hybrid looks up 2-grams and longer only
         assert drafter.ngram.min_ngram == 2
     return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
@@ -67,7 +69,7 @@ def sample_counts(engine) -> tuple[np.ndarray, float]:
         for r in engine.run([PROMPT] * len(seeds), seeds):
             counts[tuple(r.token_ids[:N_TOKENS])] += 1
             accepted += sum(r.accepted)
-            drafted += engine.prog.k * r.loops
+            drafted += sum(r.drafted)
     return counts, accepted / max(drafted, 1)
 
 
@@ -96,6 +98,8 @@ CASES = [
     ("ngram", 3, 0.8, 0, 0.95),
     ("hybrid", 2, 1.0, 0, 1.0),
     ("hybrid", 3, 0.9, 4, 0.9),
+    # PROMPT ends in a repeated 3-gram: every row's first round is a wide one (3 tokens at K=1)
+    ("hybrid-wide", 1, 1.0, 0, 1.0),
 ]
 
 
@@ -117,7 +121,8 @@ def test_the_statistical_check_has_power():
 
 @pytest.mark.parametrize("drafter,k", [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2),
                                        ("ngram", 5), ("feature", 1), ("feature", 4),
-                                       ("feature-reduced", 3), ("hybrid", 1), ("hybrid", 4)])
+                                       ("feature-reduced", 3), ("hybrid", 1), ("hybrid", 4),
+                                       ("hybrid-wide", 1), ("hybrid-wide", 2)])
 def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
     sp = SamplingParams(0.0)
     prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
@@ -127,8 +132,12 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
         assert s.token_ids == a.token_ids
         assert len(s.token_ids) == 24 and s.stop_reason == "max_tokens"
         # Each target call emits accepted + 1 tokens; only the last may be cut at max tokens.
-        assert 0 <= sum(s.accepted) + s.calls - 24 <= k
-        assert len(s.accepted) == s.loops <= s.calls
+        assert 0 <= sum(s.accepted) + s.calls - 24 <= max(s.drafted, default=k)
+        assert len(s.accepted) == len(s.drafted) == s.loops <= s.calls
+        assert all(0 <= a <= d for a, d in zip(s.accepted, s.drafted))
+        assert set(s.drafted) <= ({k, WIDE} if drafter == "hybrid-wide" else {k})
+    if drafter == "hybrid-wide":  # wide rounds ran, on PROMPT's repeats at least
+        assert any(WIDE in s.drafted for s in spec)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "feature", "hybrid"])
@@ -192,3 +201,23 @@ def test_hybrid_uses_the_model_exactly_in_rounds_where_lookup_finds_nothing():
             t += n + 1
         assert r.draft_calls == expected
     assert lookups and models  # both kinds of round ran
+
+
+@pytest.mark.parametrize("drafter,k", [("ngram", 2), ("hybrid-wide", 1)])
+def test_rounds_that_branch_update_the_kv_cache_in_place(drafter, k):
+    """Rounds that choose between two forwards of different widths (n-gram: score or a
+    plain step; wide rounds) must not copy the target's KV cache: `lax.cond` branches did,
+    twice per round, a third of a decode step at batch 1 on the embedded model."""
+    import re
+
+    from specsamp.decoding.decode import decode, new_state
+
+    engine = make_engine(SamplingParams(0.0), drafter, k)
+    state = new_state(engine.prog, jnp.ones((2, 8), jnp.int32), jnp.array([8, 8]), 8,
+                      jnp.zeros(2, jnp.uint32), 64)
+    hlo = decode.lower(engine.prog, engine.target_params, engine.draft_params, state,
+                       jnp.array([-1]), jnp.array([-1]), jnp.int32(4)).compile().as_text()
+    cache = state.target_cache.k.shape
+    shape = f"f32[{','.join(map(str, cache))}]"
+    copies = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* copy\(", line)]
+    assert " while(" in hlo and not copies, copies[:2]

@@ -68,12 +68,14 @@ def test_rounds_cut_keeps_what_the_kept_tokens_needed():
     """Cutting a round log mid-round keeps that round's emitted draft tokens only."""
     from specsamp.decoding.rounds import Rounds
 
-    log = Rounds(tokens=(3, 1, 4, 2), accepted=(2, -1, 3, 1), draft_calls=(3, 0, 3, 3))
+    log = Rounds(tokens=(3, 1, 4, 2), accepted=(2, -1, 3, 1), draft_calls=(3, 0, 3, 3),
+                 drafted=(3, 0, 4, 2))
     assert log.cut(10) == log and log.cut(99) == log
-    assert log.cut(4) == Rounds((3, 1), (2, -1), (3, 0))
+    assert log.cut(4) == Rounds((3, 1), (2, -1), (3, 0), (3, 0))
     mid = log.cut(6)  # 2 of the third round's 4 tokens: both kept draft tokens
-    assert mid == Rounds((3, 1, 2), (2, -1, 2), (3, 0, 3))
+    assert mid == Rounds((3, 1, 2), (2, -1, 2), (3, 0, 3), (3, 0, 4))
     assert (mid.calls, mid.loops, mid.accepted_per_loop, mid.total_draft_calls) == (3, 2, (2, 2), 6)
+    assert log.drafted_per_loop == (3, 4, 2)  # the plain round (-1) is no loop
 
 
 def test_compilation_is_timed_apart(target):
@@ -103,14 +105,15 @@ def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
         max_len=jnp.array([6, 10]), keys=jnp.zeros((b, 2), jnp.uint32), stop_reason=jnp.zeros(b, jnp.int32),
         calls=jnp.zeros(b, jnp.int32), round_tokens=jnp.zeros((b, r), jnp.int32),
         round_accepted=jnp.full((b, r), -1, jnp.int32), round_draft_calls=jnp.zeros((b, r), jnp.int32),
+        round_drafted=jnp.zeros((b, r), jnp.int32),
         target_cache=init_cache(cfg, b, 16))
     out = commit(state, jnp.array([[5, 6, 7, 8], [5, 9, 7, 8]]), jnp.array([4, 4]), jnp.array([3, 3]),
-                 eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]))
+                 eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=3)
     assert out.length.tolist() == [6, 6] and out.calls.tolist() == [1, 1]
     assert out.round_tokens[:, 0].tolist() == [2, 2]
-    assert out.round_accepted[:, 0].tolist() == [2, 2]
+    assert out.round_accepted[:, 0].tolist() == [2, 2] and out.round_drafted[:, 0].tolist() == [3, 3]
     plain = commit(out.replace(stop_reason=jnp.array([0, 0])), jnp.array([[3], [3]]), jnp.array([1, 1]),
-                   jnp.array([0, 0]), eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=False)
+                   jnp.array([0, 0]), eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=0)
     assert plain.round_accepted[:, 1].tolist() == [-1, -1]  # a plain step is no speculative loop
 
 

@@ -48,8 +48,11 @@ def test_choice_follows_acceptance_at_a_middle_cost():
 def test_depth_counts_by_draft_position():
     """Loops that kept 0, 2 and 4 of 4 tokens: position 1 tested 3 times and kept twice,
     position 4 tested and kept once (a loop tests up to its first rejection)."""
-    accepted, tested = depth_counts([0, 2, 4], 4)
+    accepted, tested = depth_counts([0, 2, 4], 4, 4)
     assert accepted.tolist() == [2, 2, 1, 1] and tested.tolist() == [3, 2, 2, 1]
+    # Loops of their own K (k auto): 1 of 1 kept tests no further; 1 of 3 kept tests position 2.
+    accepted, tested = depth_counts([1, 1, 0], [1, 3, 2], 4)
+    assert accepted.tolist() == [2, 0, 0, 0] and tested.tolist() == [3, 1, 0, 0]
     rates = np.ones(4)
     assert expected_tokens_by_position(0.5, rates, 3) == pytest.approx(expected_tokens(0.5, 3))
 

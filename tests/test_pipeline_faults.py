@@ -159,7 +159,7 @@ def _row(pid: str) -> dict:
                draft="none", k=0, temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
                config_hash="0123456789abcdef", worker_host="h", device_kind="cpu",
                schema_version=SCHEMA_VERSION,
-               target_calls=1, draft_calls=0, accepted_per_loop=[], acceptance_rate=float("nan"),
+               target_calls=1, draft_calls=0, accepted_per_loop=[], drafted_per_loop=[], acceptance_rate=float("nan"),
                tokens_per_call=1.0, prefill_s=0.1, decode_s=0.1, total_s=0.2, ms_per_token=100.0,
                compile_s=0.0)
     return row

@@ -26,6 +26,10 @@ def test_loop_counts_and_ratios():
     more token (its rejection); ratios over nothing are NaN, not an error."""
     assert stats.loop_counts([3, 1, 0, 2], 3) == (6, 12, 9)
     assert stats.loop_counts(np.array([2, 2]), 2) == (4, 4, 4)
+    # k auto: each loop at its own K; a loop that kept all of its K had no rejection
+    assert stats.loop_counts([1, 1, 2, 0], [1, 3, 2, 4]) == (4, 10, 6)
+    with pytest.raises(ValueError):
+        stats.loop_counts([1, 2], [1])
     assert stats.acceptance_rate(6, 12) == 0.5 and stats.alpha(6, 9) == pytest.approx(2 / 3)
     assert math.isnan(stats.acceptance_rate(0, 0)) and math.isnan(stats.tokens_per_call(3, 0))
     assert stats.ms_per_token(0.5, 100) == pytest.approx(5.0)

@@ -65,10 +65,11 @@ def load_draft(path: str, feature_only: bool = False):
     return DraftWeights(*_DRAFTS[path]())
 
 
-def drafter(draft: str, k: int, sp, mesh=None, target_params_=None):
+def drafter(draft: str, k: int, sp, mesh=None, target_params_=None, wide: int = 0):
     """(drafter, draft params) for a draft string on TARGET: 'ngram', 'early-exit:1',
-    'tiny-draft', 'tiny-feature', 'ngram+tiny-feature-reduced', ..."""
+    'tiny-draft', 'tiny-feature', 'ngram+tiny-feature-reduced', ... (wide: a hybrid's wide
+    lookup rounds, as `k auto` builds it)."""
     from specsamp.decoding.factory import build_drafter
 
     params = target_params() if target_params_ is None else target_params_
-    return build_drafter(draft, k, sp, TARGET, params, load_draft, mesh)
+    return build_drafter(draft, k, sp, TARGET, params, load_draft, mesh, wide=wide)

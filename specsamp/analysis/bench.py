@@ -43,7 +43,7 @@ class Timing:
         for c in completions:
             self.tokens += c.generated_tokens
             self.decode_s += c.decode_s
-            accepted, drafted, tested = stats.loop_counts(c.accepted_per_loop, c.k)
+            accepted, drafted, tested = stats.loop_counts(c.accepted_per_loop, c.loop_lengths)
             self.accepted += accepted
             self.drafted += drafted
             self.tested += tested

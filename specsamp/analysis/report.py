@@ -130,7 +130,7 @@ def _group_rows(con, by) -> list[Group]:
     sql = f"""
         SELECT {sql_columns(by)}, count(*), sum(generated_tokens),
             {_stats_sql('total_s')}, {_stats_sql('ms_per_token')},
-            sum(list_sum(accepted_per_loop)), sum(k * len(accepted_per_loop)),
+            sum(list_sum(accepted_per_loop)), sum(list_sum(drafted_per_loop)),
             sum(target_calls), avg(cost_ratio), min(k), max(k)
         FROM completions GROUP BY ALL ORDER BY ALL"""
     groups = []
@@ -149,9 +149,9 @@ def _group_rows(con, by) -> list[Group]:
 
 
 def _loops_sql(by) -> str:
-    """One row per speculative loop: the group keys, the row's K and the accepted count."""
-    return (f"SELECT {sql_columns(by)}, k AS _k, unnest(accepted_per_loop) AS _a "
-            f"FROM completions WHERE k > 0")
+    """One row per speculative loop: the group keys, the loop's K and its accepted count."""
+    return (f"SELECT {sql_columns(by)}, unnest(drafted_per_loop) AS _k, unnest(accepted_per_loop) AS _a "
+            f"FROM completions")
 
 
 def _attach_loops(con, by, groups: dict) -> None:

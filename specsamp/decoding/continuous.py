@@ -30,7 +30,7 @@ from specsamp.decoding import stats
 from specsamp.decoding.decode import Program, _ar_round, _spec_round, insert, new_state
 from specsamp.decoding.engine import Engine, RawSample, prefill_groups, prompt_bucket
 from specsamp.decoding.kpolicy import depth_counts
-from specsamp.decoding.rounds import from_log
+from specsamp.decoding.rounds import from_log, round_logs
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS, DecodeState
 
 
@@ -126,7 +126,7 @@ class ContinuousEngine:
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
         """Cache slots per row for a run of `prompts` (one size for every slot)."""
         bucket = prompt_bucket(max((len(p) for p in prompts), default=1))
-        need = bucket + self.engine.max_new_tokens + max(self.ks) + 2
+        need = bucket + self.engine.max_new_tokens + max(*self.ks, self.engine.prog.span) + 2
         return -(-need // 128) * 128
 
     def run(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], stop_ids=(),
@@ -162,7 +162,7 @@ class ContinuousEngine:
             seconds = time.perf_counter() - t0
             self.k_rounds[k] += rounds
             self.decode_s += seconds
-            run.charge_decode(seconds, rounds, k)
+            run.charge_decode(seconds, rounds)
             if should_stop is not None:
                 run.apply_stop_strings(should_stop)
             run.collect()
@@ -255,23 +255,23 @@ class _Run:
         for i in rows:
             self.prefill_s[i] = share
 
-    def charge_decode(self, seconds: float, rounds: int, k: int) -> None:
-        """Give each row its share of a chunk that ran `rounds` rounds at K = k, and count
-        its tested draft tokens (a round that kept fewer than k stopped at a rejection)."""
+    def charge_decode(self, seconds: float, rounds: int) -> None:
+        """Give each row its share of a chunk that ran `rounds` rounds, and count its tested
+        draft tokens (a round that kept fewer than its K stopped at a rejection)."""
         st = self.state
-        calls, log = np.asarray(st.calls), np.asarray(st.round_accepted)
+        calls, log, widths = (np.asarray(a) for a in (st.calls, st.round_accepted, st.round_drafted))
         self.reason = np.array(st.stop_reason)
+        depth = self.owner.depth
         for s in self.active():
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
-            new = log[s, self.calls[s] : calls[s]]
-            loops = new[new >= 0]  # -1: a plain round
-            accepted, _, tested = stats.loop_counts(loops, k)
+            new, ks = log[s, self.calls[s] : calls[s]], widths[s, self.calls[s] : calls[s]]
+            loops, ks = new[new >= 0], ks[new >= 0]  # -1: a plain round
+            accepted, _, tested = stats.loop_counts(loops, ks)
             self.accepted[s] += accepted
             self.tested[s] += tested
-            if k:
-                for total, part in zip(self.owner.depth, depth_counts(loops, k)):
-                    total[:k] += part
+            for total, part in zip(depth, depth_counts(loops, ks, len(depth[0]))):
+                total += part
         self.calls = calls.astype(np.int64)
 
     def acceptance(self) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -298,7 +298,7 @@ class _Run:
         if not done:
             return
         tokens, length, calls = np.asarray(st.tokens), np.asarray(st.length), np.asarray(st.calls)
-        logs = [np.asarray(a) for a in (st.round_tokens, st.round_accepted, st.round_draft_calls)]
+        logs = round_logs(st)
         for s in done:
             i, lo = self.slot_row[s], len(self.prompts[self.slot_row[s]])
             n = int(calls[s])

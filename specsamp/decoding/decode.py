@@ -18,7 +18,7 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.drafters import Drafter
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
-    RUNNING, DecodeState, commit, gather_window, log_draft_calls, prefix_positions, round_keys,
+    RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
 )
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 
@@ -32,6 +32,12 @@ class Program:
     @property
     def k(self) -> int:
         return self.drafter.k if self.drafter is not None else 0
+
+    @property
+    def span(self) -> int:
+        """The most draft tokens a round may score: K, or more in a hybrid's wide rounds."""
+        wide = getattr(self.drafter, "wide", None)
+        return max(self.k, wide.k if wide is not None else 0)
 
 
 def new_state(
@@ -52,6 +58,7 @@ def new_state(
         round_tokens=jnp.zeros((b, max_new), jnp.int32),
         round_accepted=jnp.full((b, max_new), -1, jnp.int32),
         round_draft_calls=jnp.zeros((b, max_new), jnp.int32),
+        round_drafted=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots),
         draft=prog.drafter.init_state(b, slots) if prog.drafter is not None else None,
     )
@@ -111,35 +118,53 @@ def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_id
     x = jax.vmap(sample)(round_keys(state), q)
     ones = jnp.ones_like(t)
     state = state.replace(target_cache=cache)
-    return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids, drafted=False)
+    return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids, drafted=0)
 
 
 def _spec_round(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids):
+    wide = getattr(prog.drafter, "wide_lookup", lambda _: None)(state)
+    if wide is None:
+        return _drafted_round(prog, target_params, draft_params, state, eos_ids, stop_ids,
+                              prog.drafter.propose)
+    # A hybrid's wide round when every running row has a long lookup match: a round scores
+    # the same number of tokens for all rows (one compiled call), so the choice is the batch's.
+    return cond_in_place(
+        jnp.all(wide.found | (state.stop_reason != RUNNING)),
+        lambda s: _drafted_round(prog, target_params, draft_params, s, eos_ids, stop_ids,
+                                 lambda params, st, _: prog.drafter.propose_wide(params, st, wide)),
+        lambda s: _drafted_round(prog, target_params, draft_params, s, eos_ids, stop_ids,
+                                 prog.drafter.propose),
+        state,
+    )
+
+
+def _drafted_round(prog: Program, target_params, draft_params, state: DecodeState, eos_ids,
+                   stop_ids, propose):
+    """A round that drafts with propose(draft_params, state, draft_keys) -> Proposal."""
     keys = round_keys(state)
     draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
-    proposal = prog.drafter.propose(draft_params, state, draft_keys)
+    proposal = propose(draft_params, state, draft_keys)
     calls = prog.drafter.calls_per_round if proposal.calls is None else proposal.calls
     state = log_draft_calls(state, jnp.broadcast_to(jnp.asarray(calls, jnp.int32), state.calls.shape))
-    draft, p, draft_state, found = proposal.draft, proposal.p, proposal.draft_state, proposal.found
+    draft, p, found = proposal.draft, proposal.p, proposal.found
+    state = state.replace(draft=proposal.draft_state)  # what the rest of the round observes into
     if found is None:
-        return _score(prog, target_params, state, keys, draft, p, draft_state, eos_ids, stop_ids)
+        return _score(prog, target_params, state, keys, draft, p, eos_ids, stop_ids)
     # A drafter that may have nothing to propose (n-gram lookup without a match): when no
     # running row has a proposal, a plain step is cheaper than scoring K+1 tokens. In a
     # scored round, rows without a proposal take exactly the plain step too (same key, same
     # token), so a sample and its statistics never depend on its batch-mates.
-    return jax.lax.cond(
+    return cond_in_place(
         jnp.any(found & (state.stop_reason == RUNNING)),
-        lambda s: _score(prog, target_params, s, keys, draft, p, draft_state, eos_ids, stop_ids,
-                         found),
+        lambda s: _score(prog, target_params, s, keys, draft, p, eos_ids, stop_ids, found),
         lambda s: _ar_round(prog, target_params, s, eos_ids, stop_ids),
         state,
     )
 
 
-def _score(prog: Program, target_params, state, keys, draft, p, draft_state, eos_ids, stop_ids,
-           found=None):
+def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_ids, found=None):
     """Score [current, draft] with the target in one call and apply the rejection rule."""
-    k = prog.k
+    k = draft.shape[1]
     accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
 
     t = state.current
@@ -148,7 +173,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_state, eos
     target = Model(prog.target)
     hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
-    draft_state = prog.drafter.observe(draft_state, hidden, t)  # e.g. the target's features
+    draft_state = prog.drafter.observe(state.draft, hidden, t)  # e.g. the target's features
     q = probs_from_logits(logits, prog.sampling)
     n, x = accept_batch(accept_keys, draft, p, q)
     if found is not None:
@@ -159,7 +184,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, draft_state, eos
     new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])
     state = state.replace(target_cache=cache, draft=draft_state)
     return commit(state, new, n + 1, n, eos_ids, stop_ids,
-                  drafted=True if found is None else found)
+                  drafted=k if found is None else jnp.where(found, k, 0))
 
 
 @jax.jit(static_argnames=("prog",), donate_argnames=("state",))

@@ -20,7 +20,7 @@ import numpy as np
 
 from specsamp.compilation import compiled
 from specsamp.decoding.decode import Program, decode, insert, new_state, prefill
-from specsamp.decoding.rounds import Rounds, from_log
+from specsamp.decoding.rounds import Rounds, from_log, round_logs
 from specsamp.decoding.state import STOP_REASONS
 from specsamp.errors import UserError
 
@@ -95,6 +95,10 @@ class RawSample:
         return self.rounds.accepted_per_loop
 
     @property
+    def drafted(self) -> tuple[int, ...]:  # draft tokens scored, per loop (its K)
+        return self.rounds.drafted_per_loop
+
+    @property
     def decode_s(self) -> float:
         """Decoding time until this row's last emitted token: the rounds of a batch take
         equal time, so the batch's time x this row's rounds / the rounds the batch ran
@@ -136,10 +140,10 @@ class Engine:
 
     @property
     def max_prompt_tokens(self) -> int:
-        return self.prog.target.max_seq_len - self.max_new_tokens - self.prog.k - 2
+        return self.prog.target.max_seq_len - self.max_new_tokens - self.prog.span - 2
 
     def _slots(self, bucket: int) -> int:
-        need = bucket + self.max_new_tokens + self.prog.k + 2
+        need = bucket + self.max_new_tokens + self.prog.span + 2
         return -(-need // 128) * 128
 
     def check_prompt(self, ids: Sequence[int]) -> None:
@@ -249,7 +253,7 @@ class Engine:
     def _collect(self, state, lens, prefill_s, decode_s, compile_s) -> list[RawSample]:
         tokens, length = np.asarray(state.tokens), np.asarray(state.length)
         calls, reason = np.asarray(state.calls), np.asarray(state.stop_reason)
-        logs = [np.asarray(a) for a in (state.round_tokens, state.round_accepted, state.round_draft_calls)]
+        logs = round_logs(state)
         return [
             RawSample(
                 token_ids=tuple(int(x) for x in tokens[i, lens[i] : length[i]]),

@@ -44,10 +44,12 @@ def resolve_auto(draft: str, target: str | None) -> str:
 
 
 def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: ModelConfig,
-                  target_params, load: Loader, mesh=None) -> tuple[Drafter | None, Any]:
+                  target_params, load: Loader, mesh=None, wide: int = 0) -> tuple[Drafter | None, Any]:
     """(drafter, draft params) for a resolved draft string at draft length k; (None, None)
     for 'none'. With a tensor-parallel mesh, a separate draft's params are copied to every
-    device (it is small); an early exit shares the target's split layers."""
+    device (it is small); an early exit shares the target's split layers. wide > 0 (`k
+    auto`): a hybrid also runs rounds of `wide` lookup tokens on matches of its longest
+    n-gram (`HybridDrafter.wide`)."""
     kind, arg = parse_draft(draft)
     if kind == "auto":
         raise ValueError("resolve 'auto' first (resolve_auto)")
@@ -69,7 +71,8 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
         # the feature draft's (measured on HumanEval chat prompts, stored weights, greedy:
         # acceptance 0.475 -> 0.59 at K = 1).
         drafter = HybridDrafter(NgramDrafter(k, target_cfg.vocab_size, n, min_ngram=min(2, n)),
-                                FeatureDrafter(weights.cfg, k, sampling))
+                                FeatureDrafter(weights.cfg, k, sampling),
+                                NgramDrafter(wide, target_cfg.vocab_size, n, min_ngram=n) if wide else None)
     else:
         weights = load(arg, False)
         make = FeatureDrafter if weights.kind == "feature" else ModelDrafter

@@ -18,7 +18,7 @@ from specsamp.decoding.config import SamplingParams, check_k, check_max_new_toke
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
 from specsamp.decoding.factory import build_drafter, file_loader, resolve_auto
-from specsamp.decoding.kpolicy import AUTO_KS, K_AUTO
+from specsamp.decoding.kpolicy import AUTO_KS, K_AUTO, WIDE_LOOKUP
 from specsamp.decoding.results import Completion
 from specsamp.errors import UserError
 from specsamp.mesh import check_tensor_parallel, make_mesh
@@ -115,7 +115,8 @@ class Generator:
         cfg = self.target.cfg
         load = file_loader(self.target, lambda path: load_model_once(path, spec.weights))
         self.drafter, draft_params = build_drafter(self.draft, k, spec.sampling, cfg, self.target.params,
-                                                   load, self.mesh)
+                                                   load, self.mesh,
+                                                   wide=WIDE_LOOKUP if spec.k == K_AUTO else 0)
         self.engine = Engine(
             Program(cfg, spec.sampling, self.drafter), self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
@@ -217,7 +218,8 @@ class Generator:
             text=text, token_ids=raw.token_ids, prompt_tokens=raw.prompt_tokens,
             stop_reason=reason, mode=self.mode, target_calls=raw.calls,
             draft_calls=raw.draft_calls, accepted_per_loop=raw.accepted,
-            prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k, compile_s=raw.compile_s,
+            drafted_per_loop=raw.drafted, prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
+            compile_s=raw.compile_s,
         )
 
     def _stop_token_count(self, ids: list[int]) -> int:

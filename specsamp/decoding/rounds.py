@@ -14,11 +14,13 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """Per round, in order: tokens appended; draft tokens kept and appended (-1: the round
-    scored no draft, a plain step); draft model calls."""
+    scored no draft, a plain step); draft model calls; draft tokens scored (the round's K,
+    which `k auto` chooses per round; 0 for a plain step)."""
 
     tokens: tuple[int, ...]
     accepted: tuple[int, ...]
     draft_calls: tuple[int, ...]
+    drafted: tuple[int, ...]
 
     @property
     def calls(self) -> int:
@@ -27,6 +29,10 @@ class Rounds:
     @property
     def accepted_per_loop(self) -> tuple[int, ...]:
         return tuple(a for a in self.accepted if a >= 0)
+
+    @property
+    def drafted_per_loop(self) -> tuple[int, ...]:
+        return tuple(d for a, d in zip(self.accepted, self.drafted) if a >= 0)
 
     @property
     def loops(self) -> int:
@@ -45,11 +51,19 @@ class Rounds:
                 kept = n_tokens - done
                 last = self.accepted[i] if self.accepted[i] < 0 else min(self.accepted[i], kept)
                 return Rounds(self.tokens[:i] + (kept,), self.accepted[:i] + (last,),
-                              self.draft_calls[: i + 1])
+                              self.draft_calls[: i + 1], self.drafted[: i + 1])
             done += t
         return self
 
 
-def from_log(tokens, accepted, draft_calls, calls: int) -> Rounds:
-    """A row of the loop's round log (numpy arrays [R]) with `calls` rounds."""
-    return Rounds(*(tuple(int(x) for x in a[:calls]) for a in (tokens, accepted, draft_calls)))
+def round_logs(state) -> list:
+    """The decode state's round logs as numpy arrays [B, R], in `from_log`'s order."""
+    import numpy as np
+
+    return [np.asarray(a) for a in (state.round_tokens, state.round_accepted,
+                                    state.round_draft_calls, state.round_drafted)]
+
+
+def from_log(tokens, accepted, draft_calls, drafted, calls: int) -> Rounds:
+    """A row of the loop's round logs (numpy arrays [R], `round_logs`) with `calls` rounds."""
+    return Rounds(*(tuple(int(x) for x in a[:calls]) for a in (tokens, accepted, draft_calls, drafted)))

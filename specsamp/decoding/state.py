@@ -36,6 +36,7 @@ class DecodeState:
     round_tokens: jax.Array  # [B, R] int32: tokens the round appended
     round_accepted: jax.Array  # [B, R] int32: draft tokens kept AND appended; -1: no draft scored
     round_draft_calls: jax.Array  # [B, R] int32: draft model calls the round made
+    round_drafted: jax.Array  # [B, R] int32: draft tokens the round scored (its K; 0: plain step)
     target_cache: KVCache
     # The drafter's own loop state (its KV cache, the target's features it reads, ...): a
     # pytree the drafter defines (`Drafter.init_state`) and only the drafter reads; None
@@ -70,6 +71,21 @@ def write_window(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
         row, u, (s,) + (0,) * (row.ndim - 1)))(buf, new, start)
 
 
+def cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
+    """true_fn(carry) if pred else false_fn(carry); both return carry's structure.
+
+    `jax.lax.cond` would do, but XLA copies every buffer a branch updates in place (a KV
+    cache written by the layer loop: two 12 MB copies per round at batch 1, a third of a
+    decode step) or passes through unchanged. A while loop's carried buffers are updated
+    in place, so each branch runs as a loop of zero or one iterations."""
+    def once(run, fn, carry):
+        return jax.lax.while_loop(lambda c: c[1], lambda c: (fn(c[0]), jnp.zeros_like(c[1])),
+                                  (carry, run))[0]
+
+    pred = jnp.asarray(pred, bool)
+    return once(~pred, false_fn, once(pred, true_fn, carry))
+
+
 def prefix_positions(tokens: jax.Array) -> jax.Array:
     """Positions 0..T-1 for every row of tokens [B, T] (prefill)."""
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -77,15 +93,15 @@ def prefix_positions(tokens: jax.Array) -> jax.Array:
 
 def commit(
     state: DecodeState, new: jax.Array, count: jax.Array, n_accepted: jax.Array,
-    eos_ids: jax.Array, stop_ids: jax.Array, drafted: bool | jax.Array = True,
+    eos_ids: jax.Array, stop_ids: jax.Array, drafted: int | jax.Array,
 ) -> DecodeState:
     """Append new[b, :count[b]] to each running row, cut after an EOS or stop id (which is
     kept) or at max_len.
 
     new: [B, W] candidate tokens (entries at or beyond count are ignored);
     count: [B] tokens the round produced (1..W); n_accepted: [B] draft tokens kept;
-    drafted: whether the round scored a draft, for all rows (static bool) or per row ([B]);
-    a row that did not draft took a plain step and records no speculative round.
+    drafted: draft tokens the round scored, for all rows (an int) or per row ([B]); a row
+    with 0 took a plain step and records no speculative round.
     """
     width = new.shape[1]
     j = jnp.arange(width)[None, :]
@@ -111,10 +127,12 @@ def commit(
         stop_reason=reason,
         calls=state.calls + running.astype(jnp.int32),
     )
-    return _log_round(state, emit, jnp.where(drafted, jnp.minimum(n_accepted, emit), -1), running)
+    drafted = jnp.broadcast_to(jnp.asarray(drafted, jnp.int32), emit.shape)
+    accepted = jnp.where(drafted > 0, jnp.minimum(n_accepted, emit), -1)
+    return _log_round(state, emit, accepted, drafted, running)
 
 
-def _log_round(state: DecodeState, emit, accepted, running) -> DecodeState:
+def _log_round(state: DecodeState, emit, accepted, drafted, running) -> DecodeState:
     """Record the round just committed at index calls - 1 of each running row. `accepted`
     counts only appended draft tokens: a round cut by EOS, a stop id or the token limit
     after j of its tokens kept min(n, j), so the log describes exactly the emitted tokens."""
@@ -124,7 +142,8 @@ def _log_round(state: DecodeState, emit, accepted, running) -> DecodeState:
         return log.at[rows, at].set(jnp.where(running, value, log[rows, at]), mode="drop")
 
     return state.replace(round_tokens=put(state.round_tokens, emit),
-                         round_accepted=put(state.round_accepted, accepted))
+                         round_accepted=put(state.round_accepted, accepted),
+                         round_drafted=put(state.round_drafted, drafted))
 
 
 def log_draft_calls(state: DecodeState, calls: jax.Array) -> DecodeState:

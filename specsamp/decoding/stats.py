@@ -4,8 +4,8 @@ Every table, report, benchmark and policy that shows or uses one of these calls 
 the per-sample columns (`Completion`), `specsamp report`, the run summary, `specsamp bench`
 (latency and throughput) and the `--k auto` policy.
 
-- acceptance rate: accepted draft tokens / drafted tokens (K per loop); NaN when nothing
-  was drafted.
+- acceptance rate: accepted draft tokens / drafted tokens (each loop's K, which `k auto`
+  chooses per round); NaN when nothing was drafted.
 - alpha, the cost model's per-token acceptance: accepted / tested draft tokens, where a
   loop tests its draft tokens up to and including its first rejection (a loop that kept
   fewer than K has one rejection). Under the model's i.i.d. assumption it is the maximum
@@ -25,6 +25,7 @@ this module (through `specsamp.Completion`) costs nothing.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
 NAN = float("nan")
@@ -35,12 +36,16 @@ def ratio(num: float, den: float) -> float:
     return num / den if den else NAN
 
 
-def loop_counts(accepted_per_loop: Iterable[int], k: int) -> tuple[int, int, int]:
-    """(accepted, drafted, tested) draft tokens of a sample's loops at draft length k."""
+def loop_counts(accepted_per_loop: Iterable[int], drafted: int | Iterable[int]) -> tuple[int, int, int]:
+    """(accepted, drafted, tested) draft tokens of a sample's loops; `drafted`: each loop's
+    draft length (its K, `drafted_per_loop`), or one K for all of them."""
     loops = list(accepted_per_loop)
+    ks = [int(drafted)] * len(loops) if isinstance(drafted, numbers.Integral) else [int(k) for k in drafted]
+    if len(ks) != len(loops):
+        raise ValueError(f"{len(loops)} loops but {len(ks)} draft lengths")
     accepted = int(sum(loops))
-    rejections = sum(1 for a in loops if a < k)
-    return accepted, k * len(loops), accepted + rejections
+    rejections = sum(1 for a, k in zip(loops, ks) if a < k)
+    return accepted, int(sum(ks)), accepted + rejections
 
 
 def acceptance_rate(accepted: float, drafted: float) -> float:
