@@ -35,6 +35,7 @@ class FeatureDraft(nn.Module):
     `logits(g) -> [B,T,V]` with the target's head."""
 
     cfg: ModelConfig  # the target's config with n_layers = the draft's layers
+    attention: str = "xla"  # or "cpu": the native cache-attention kernel (`run_layers`)
 
     def setup(self):
         setup_decoder(self)
@@ -43,7 +44,7 @@ class FeatureDraft(nn.Module):
     def __call__(self, tokens, features, positions, cache: KVCache):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, cache = run_layers(self, x, cache, cos, sin, positions)
+        x, cache = run_layers(self, x, cache, cos, sin, positions, self.attention)
         return self.final_norm(x), cache
 
     def logits(self, g):
@@ -60,18 +61,24 @@ class FeatureModel:
 
     cfg: ModelConfig
 
-    def forward(self, params, tokens, features, positions, cache: KVCache):
-        """(g [B, T, D], cache): the draft's guesses of the target's hidden states."""
-        return FeatureDraft(self.cfg).apply({"params": module_params(params)}, tokens, features,
-                                            positions, cache)
+    def forward(self, params, tokens, features, positions, cache: KVCache, attention=None):
+        """(g [B, T, D], cache): the draft's guesses of the target's hidden states. Attention
+        as the target's (`Model.attention`): the native kernel where it applies."""
+        from specsamp.models.model import default_attention
+
+        if attention is None:
+            attention = default_attention(self.cfg, None) if cache.k.dtype == jnp.float32 else "xla"
+        return FeatureDraft(self.cfg, attention).apply(
+            {"params": module_params(params)}, tokens, features, positions, cache)
 
     def full_forward(self, params, tokens, features):
-        """g [B, T, D] over tokens [B, T] at positions 0..T-1 with a fresh cache."""
+        """g [B, T, D] over tokens [B, T] at positions 0..T-1 with a fresh cache (XLA's
+        attention: training differentiates it)."""
         from specsamp.models.llama import init_cache
 
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        g, _ = self.forward(params, tokens, features, positions, init_cache(self.cfg, b, t))
+        g, _ = self.forward(params, tokens, features, positions, init_cache(self.cfg, b, t), "xla")
         return g
 
     def logits(self, params, g):
