@@ -1,5 +1,6 @@
 """specsamp bench: the cost model's arithmetic, and one tiny end-to-end run."""
 
+import dataclasses
 import math
 
 import pytest
@@ -28,6 +29,15 @@ def test_measured_prediction_counts_plain_steps_and_real_draft_calls():
     u.add([_completion(tokens=10, calls=4, accepted=[3, 1, 0, 2], draft_calls=12, k=3)])
     assert measured_prediction(u, 0.1, 1.0) == pytest.approx(2.5 / (3 * 0.1 + 1))
     assert math.isnan(measured_prediction(Timing(), 0.1, 1.0))
+
+
+def test_loops_without_their_own_k_count_at_the_setting_k():
+    """A Completion made without drafted_per_loop writes k for each loop (the table column
+    stays one entry per loop); with it, each loop counts at its own K."""
+    c = _completion(tokens=9, calls=4, accepted=[3, 1, 0, 2], draft_calls=12, k=3)
+    assert c.stats()["drafted_per_loop"] == [3, 3, 3, 3] and c.acceptance_rate == 6 / 12
+    mixed = dataclasses.replace(c, drafted_per_loop=(3, 1, 1, 2))
+    assert mixed.stats()["drafted_per_loop"] == [3, 1, 1, 2] and mixed.acceptance_rate == 6 / 7
 
 
 def test_run_bench_on_a_tiny_model(tmp_path):

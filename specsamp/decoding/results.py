@@ -34,16 +34,17 @@ class Completion:
     decode_s: float
     k: int = 0
     compile_s: float = 0.0  # compiling the batch's programs (first row of a batch; else 0)
-    drafted_per_loop: tuple[int, ...] = ()  # each loop's K (draft tokens scored); () : all k
+    drafted_per_loop: tuple[int, ...] = ()  # each loop's K (draft tokens scored); (): k each
 
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def loop_lengths(self) -> tuple[int, ...] | int:
-        """Each loop's draft length, for `stats.loop_counts`."""
-        return self.drafted_per_loop or self.k
+    def loop_lengths(self) -> tuple[int, ...]:
+        """Each loop's draft length (drafted_per_loop, or k for every loop when not given),
+        one per entry of accepted_per_loop."""
+        return self.drafted_per_loop or (self.k,) * len(self.accepted_per_loop)
 
     @property
     def acceptance_rate(self) -> float:
@@ -73,7 +74,7 @@ class Completion:
             "target_calls": self.target_calls,
             "draft_calls": self.draft_calls,
             "accepted_per_loop": list(self.accepted_per_loop),
-            "drafted_per_loop": list(self.drafted_per_loop),
+            "drafted_per_loop": list(self.loop_lengths),
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_call": self.tokens_per_call,
             "prefill_s": self.prefill_s,
