@@ -2,8 +2,8 @@
 
 Read in this order: `config` (SamplingParams, K, the draft string), `sampling` (logits ->
 probabilities), `acceptance` (the rejection rule), `state` (the loop's arrays), `drafters`
-(what proposes draft tokens; `drafts` names the shipped ones, `factory` builds one from a draft
-string), `decode` (the compiled autoregressive and speculative rounds), `engine` (host side on
+and `lookup` (what proposes draft tokens; `drafts` names the shipped ones, `factory` builds
+one from a draft string), `decode` (the compiled autoregressive and speculative rounds), `engine` (host side on
 token ids: compile, run, time), `rounds` and `results` (per-sample statistics), `generator`
 (the text API, `load_generator`). Throughput: `continuous` (slots refilled as rows finish),
 `costs` and `kpolicy` (`--k auto`). `stats` holds the statistics' formulas (acceptance rate,

@@ -5,11 +5,8 @@
   transform as the target's.
 - `FeatureDrafter`: one layer fed the token embedding and the target's hidden state at the
   previous position (EAGLE-style); chains K tokens on its own predicted features.
-- `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
-  proposes what followed. Deterministic, so p is a point mass (one-hot).
-- `HybridDrafter`: prompt lookup where it finds a match (of 2 tokens or more, as the
-  factory builds it), a model drafter (e.g. the trained feature draft) for the other rows;
-  the model's chain is skipped in rounds where every running row has a match.
+- `NgramDrafter` and `HybridDrafter` (prompt lookup, alone or before the feature draft):
+  `specsamp.decoding.lookup`.
 
 Every drafter follows the `Drafter` protocol below and owns its loop state (a pytree it
 defines: a draft model's KV cache, the target's features a feature draft reads), kept in
@@ -32,9 +29,7 @@ import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
-from specsamp.decoding.state import (
-    RUNNING, DecodeState, cond_in_place, gather_window, prefix_positions, write_window,
-)
+from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.feature_draft import FeatureModel
 
@@ -255,149 +250,3 @@ class FeatureDrafter:
 
         draft, p, cache = _chain(_drawer(self.sampling, keys), head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))
-
-
-@dataclasses.dataclass(frozen=True)
-class NgramDrafter:
-    k: int
-    vocab_size: int
-    max_ngram: int = 3
-    min_ngram: int = 1
-    kind = "ngram"
-
-    @property
-    def uses_cache(self) -> bool:
-        return False
-
-    def init_state(self, batch: int, slots: int) -> None:
-        return None  # a lookup in the tokens: no state of its own
-
-    def observe(self, draft_state, hidden, start):
-        return draft_state
-
-    def prefill(self, params, tokens, draft_state):
-        return draft_state
-
-    @property
-    def calls_per_round(self) -> int:
-        return 0
-
-    def with_k(self, k: int) -> "NgramDrafter":
-        return dataclasses.replace(self, k=k)
-
-    def propose(self, params, state: DecodeState, keys: jax.Array):
-        del params, keys
-        draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
-        return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
-                        state.draft, found)
-
-    def _lookup(self, row: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """row [S], current index t -> (K proposed tokens, whether a match was found).
-        The longest n-gram match wins, then the latest occurrence; with no match the
-        proposal repeats the current token (still exact, only wasted)."""
-        slots = row.shape[0]
-        idx = jnp.arange(slots)
-        best_end = jnp.full((), -1)
-        for n in range(self.min_ngram, self.max_ngram + 1):  # longer matches override shorter
-            match = (idx >= n - 1) & (idx < t) & (t >= n - 1)
-            for j in range(n):
-                match &= jnp.roll(row, j)[idx] == row[jnp.maximum(t - j, 0)]
-            latest = jnp.max(jnp.where(match, idx, -1))
-            best_end = jnp.where(latest >= 0, latest, best_end)
-        follow = best_end + 1 + jnp.arange(self.k)
-        follow = jnp.minimum(follow, t)  # never read past the known tokens
-        proposal = row[follow]
-        found = best_end >= 0
-        return jnp.where(found, proposal, jnp.full((self.k,), row[t])), found
-
-
-@dataclasses.dataclass(frozen=True)
-class HybridDrafter:
-    """Prompt lookup first, a feature draft for the rows it leaves without a proposal.
-
-    Each row's proposal is either the n-gram continuation (a point mass) or the model's
-    chain, chosen by that row's own tokens: exact under the rejection rule either way, and
-    independent of batch-mates. When every running row has a match the model's chain is
-    skipped; only its first call runs, so that its cache keeps up with the accepted tokens
-    (the refresh window of K+1 positions covers everything a round can accept).
-    """
-
-    ngram: NgramDrafter
-    model: FeatureDrafter
-    # Wide rounds (`k auto`): when every running row has a lookup match of wide.min_ngram
-    # tokens, the round scores wide.k lookup tokens instead of K (a long match is usually
-    # followed further). The model's refresh window stays K+1: after a wide round that kept
-    # more than K tokens, the positions before the window keep the draft's older entries
-    # (proposals only, so still exact; widening every refresh to wide.k + 1 cost 0.3 ms a
-    # round at batch 1 and changed no accepted count on 10 HumanEval prompts).
-    wide: NgramDrafter | None = None
-
-    @property
-    def k(self) -> int:
-        return self.model.k
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
-
-    @property
-    def kind(self) -> str:
-        return "ngram+" + self.model.kind
-
-    @property
-    def uses_cache(self) -> bool:
-        return True
-
-    @property
-    def calls_per_round(self) -> int:
-        return self.model.k  # at most; Proposal.calls says what each round used
-
-    def init_state(self, batch: int, slots: int) -> FeatureState:
-        return self.model.init_state(batch, slots)
-
-    def observe(self, fs, hidden, start):
-        return self.model.observe(fs, hidden, start)
-
-    def prefill(self, params, tokens, fs):
-        return self.model.prefill(params, tokens, fs)
-
-    def forward(self, params, tokens, positions, cache):
-        return self.model.forward(params, tokens, positions, cache)
-
-    def with_k(self, k: int) -> "HybridDrafter":
-        return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k), self.wide)
-
-    def wide_lookup(self, state: DecodeState) -> Proposal | None:
-        """The wide lookup of this round when wide rounds are longer than K (else None);
-        `Proposal.found`: rows with a long match."""
-        if self.wide is None or self.wide.k <= self.k:
-            return None
-        return self.wide.propose(None, state, None)
-
-    def propose_wide(self, params, state: DecodeState, lookup: Proposal) -> Proposal:
-        """A wide round: the lookup's wide.k tokens; the model's first call only (its
-        cache keeps up with the accepted tokens)."""
-        _, fs = self.model.refresh(params, state)
-        return Proposal(lookup.draft, lookup.p, fs, lookup.found, jnp.ones_like(state.length))
-
-    def propose(self, params, state: DecodeState, keys: jax.Array):
-        lookup = self.ngram.propose(None, state, keys)
-        found = lookup.found
-        running = state.stop_reason == RUNNING
-
-        # The carry: (draft, p) placeholders of the right shapes, and the draft state, which
-        # each branch reads from the carry so that it is updated in place (`cond_in_place`).
-        def lookup_only(carry):
-            _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
-            return lookup.draft, lookup.p, fs
-
-        def with_model(carry):
-            drafted = self.model.propose(params, state.replace(draft=carry[2]), keys)
-            pick = found[:, None]
-            return (jnp.where(pick, lookup.draft, drafted.draft),
-                    jnp.where(pick[..., None], lookup.p, drafted.p), drafted.draft_state)
-
-        draft, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
-                                     (lookup.draft, lookup.p, state.draft))
-        calls = jnp.where(found, 1, self.k).astype(jnp.int32)
-        return Proposal(draft, p, fs, None, calls)

@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any, Callable
 
 from specsamp.decoding.config import SamplingParams, parse_draft
-from specsamp.decoding.drafters import Drafter, FeatureDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from specsamp.decoding.drafters import Drafter, FeatureDrafter, ModelDrafter
+from specsamp.decoding.lookup import HybridDrafter, NgramDrafter
 from specsamp.errors import UserError
 from specsamp.models import Model, ModelConfig
 
