@@ -19,11 +19,18 @@ def rows(tmp_path_factory):
 
     target = make_tiny_checkpoint(str(tmp_path_factory.mktemp("t") / "t"), n_layers=2)
 
+    loaded = []
+
     def load(draft, k):
+        loaded.append((draft, k))
         return load_generator(GeneratorSpec(target=target, draft=draft, k=k, sampling=SamplingParams(0.0),
                                             max_new_tokens=10))
 
-    return run_throughput(load, PROMPTS, "ngram", [2, "auto"], [1, 4])
+    rows = run_throughput(load, PROMPTS, "ngram", [2, "auto"], [1, 4])
+    # k auto is measured on the generator that `k auto` builds (a hybrid's wide rounds
+    # exist only there), not on a fixed-K one
+    assert ("ngram", "auto") in loaded and ("ngram", 4) not in loaded
+    return rows
 
 
 def test_one_row_per_setting_with_the_baseline(rows):

@@ -92,7 +92,7 @@ def run_throughput(
             base = _timed(ar.engine, ids, batch, batching, 0, log)
             settings = [("none", 0, ar, base)]
             for k in ks:
-                gen = load(drafter, max(AUTO_KS) if k == AUTO else k)
+                gen = load(drafter, k)  # "auto": the generator the policy runs (wide rounds too)
                 settings.append((gen.draft_id, k, gen, _timed(gen.engine, ids, batch, batching, k, log)))
             for name, k, gen, m in settings:
                 row = _row(batch, batching, name, k, m, base)
