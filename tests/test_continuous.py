@@ -93,6 +93,19 @@ def test_switching_k_between_chunks_keeps_greedy_output(drafter):
     assert any(r.loops for r in got) and all(r.loops <= r.calls for r in got)
 
 
+def test_wide_rounds_stay_out_of_the_k_policy_counts():
+    """K = 1 chunks with wide rounds (3 lookup tokens): the policy's per-position counts
+    describe the chunk's own K only, so positions 2-4 stay untested (counting the wide
+    rounds' long matches there made the policy overrate K = 4)."""
+    sp = SamplingParams(0.0)
+    cont = ContinuousEngine(_eos_engine(sp, "hybrid-wide", 4, max_new=20), batch=3, ks=(1, 4),
+                            policy=_Plain(), chunk_rounds=4)
+    got = cont.run(PROMPTS, SEEDS)
+    assert any(3 in r.drafted for r in got)  # wide rounds ran
+    accepted, tested = cont.depth
+    assert tested[0] > 0 and not tested[1:].any() and not accepted[1:].any()
+
+
 def test_switching_k_samples_exactly():
     """The same switching under sampling (temperature 1, the feature draft whose cache and
     features must survive plain chunks): chi-square against the exact target law."""

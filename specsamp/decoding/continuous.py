@@ -162,7 +162,7 @@ class ContinuousEngine:
             seconds = time.perf_counter() - t0
             self.k_rounds[k] += rounds
             self.decode_s += seconds
-            run.charge_decode(seconds, rounds)
+            run.charge_decode(seconds, rounds, k)
             if should_stop is not None:
                 run.apply_stop_strings(should_stop)
             run.collect()
@@ -255,9 +255,12 @@ class _Run:
         for i in rows:
             self.prefill_s[i] = share
 
-    def charge_decode(self, seconds: float, rounds: int) -> None:
-        """Give each row its share of a chunk that ran `rounds` rounds, and count its tested
-        draft tokens (a round that kept fewer than its K stopped at a rejection)."""
+    def charge_decode(self, seconds: float, rounds: int, k: int) -> None:
+        """Give each row its share of a chunk that ran `rounds` rounds at K = k, and count
+        its tested draft tokens for the K policy (a round that kept fewer than k stopped at
+        a rejection). A hybrid's wide rounds (more lookup tokens than k) are left out: they
+        run only in chunks of a smaller K, and their long matches, kept far more often than
+        the model's chained guesses, made the policy overrate K = 4."""
         st = self.state
         calls, log, widths = (np.asarray(a) for a in (st.calls, st.round_accepted, st.round_drafted))
         self.reason = np.array(st.stop_reason)
@@ -266,11 +269,11 @@ class _Run:
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
             new, ks = log[s, self.calls[s] : calls[s]], widths[s, self.calls[s] : calls[s]]
-            loops, ks = new[new >= 0], ks[new >= 0]  # -1: a plain round
-            accepted, _, tested = stats.loop_counts(loops, ks)
+            loops = new[(new >= 0) & (ks == k)]  # -1: a plain round
+            accepted, _, tested = stats.loop_counts(loops, k)
             self.accepted[s] += accepted
             self.tested[s] += tested
-            for total, part in zip(depth, depth_counts(loops, ks, len(depth[0]))):
+            for total, part in zip(depth, depth_counts(loops, k, len(depth[0]))):
                 total += part
         self.calls = calls.astype(np.int64)
 
