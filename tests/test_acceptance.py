@@ -99,6 +99,30 @@ def test_greedy_limit_keeps_draft_iff_it_is_the_argmax():
     assert int(n) == 2 and int(x) == 1
 
 
+def test_greedy_rule_equals_the_rule_on_one_hot_q():
+    """accept_greedy (argmax comparisons, what the loop runs at temperature 0) gives the
+    (n, token) of the general rule on q = one-hot of the first argmax, for drafts that
+    match 0..K leading argmaxes, with tied logits and with p a point mass or not."""
+    from specsamp.decoding.acceptance import accept_batch, accept_greedy
+    from specsamp.decoding.config import SamplingParams
+    from specsamp.decoding.sampling import first_argmax, probs_from_logits
+
+    rng = np.random.default_rng(0)
+    b, k, v = 64, 3, 6
+    logits = jnp.asarray(rng.integers(0, 3, size=(b, k + 1, v)).astype(np.float32))  # ties
+    argmax = first_argmax(logits)
+    keep = rng.integers(0, k + 1, size=b)  # leading draft tokens equal to the argmax
+    other = (np.asarray(argmax[:, :k]) + rng.integers(1, v, size=(b, k))) % v
+    draft = jnp.asarray(np.where(np.arange(k)[None] < keep[:, None], np.asarray(argmax[:, :k]), other))
+    q = probs_from_logits(logits, SamplingParams(0.0))
+    for p in (jax.nn.one_hot(draft, v), jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k)), jnp.float32)):
+        p = jnp.where(jax.nn.one_hot(draft, v) > 0, jnp.maximum(p, 1e-3), p)  # p(draft) > 0
+        n, x = accept_batch(jax.random.split(jax.random.PRNGKey(1), b), draft, p, q)
+        ng = accept_greedy(draft, argmax)
+        assert np.array_equal(np.asarray(ng), keep) and np.array_equal(np.asarray(n), keep)
+        assert np.array_equal(np.asarray(x), np.asarray(jnp.take_along_axis(argmax, ng[:, None], 1)[:, 0]))
+
+
 def test_bonus_token_follows_the_last_target_distribution():
     """When all K draft tokens are kept, the extra token is drawn from q_{K+1} itself.
     Draft rows equal to the target's make every draft token kept; the last draft row

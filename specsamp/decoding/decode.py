@@ -13,10 +13,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specsamp.decoding.acceptance import accept_batch
+from specsamp.decoding.acceptance import accept_batch, accept_greedy
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.drafters import Drafter
-from specsamp.decoding.sampling import probs_from_logits, sample
+from specsamp.decoding.sampling import first_argmax, probs_from_logits, sample
 from specsamp.decoding.state import (
     RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
 )
@@ -114,8 +114,10 @@ def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_id
     logits = target.logits(target_params, hidden)
     if prog.drafter is not None:  # e.g. keep a feature draft's inputs complete across plain rounds
         state = state.replace(draft=prog.drafter.observe(state.draft, hidden, t))
-    q = probs_from_logits(logits[:, 0], prog.sampling)
-    x = jax.vmap(sample)(round_keys(state), q)
+    if prog.sampling.greedy:  # sample() on the one-hot probabilities returns the argmax
+        x = first_argmax(logits[:, 0])
+    else:
+        x = jax.vmap(sample)(round_keys(state), probs_from_logits(logits[:, 0], prog.sampling))
     ones = jnp.ones_like(t)
     state = state.replace(target_cache=cache)
     return commit(state, x[:, None], ones, jnp.zeros_like(t), eos_ids, stop_ids, drafted=0)
@@ -174,11 +176,18 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
     hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
     draft_state = prog.drafter.observe(state.draft, hidden, t)  # e.g. the target's features
-    q = probs_from_logits(logits, prog.sampling)
-    n, x = accept_batch(accept_keys, draft, p, q)
-    if found is not None:
-        n = jnp.where(found, n, 0)
-        x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it
+    if prog.sampling.greedy:  # q is a point mass on the argmax: no [B, K+1, V] arrays
+        argmax = first_argmax(logits)
+        n = accept_greedy(draft, argmax)
+        if found is not None:
+            n = jnp.where(found, n, 0)  # as _ar_round: the argmax at the current position
+        x = jnp.take_along_axis(argmax, n[:, None], axis=1)[:, 0]
+    else:
+        q = probs_from_logits(logits, prog.sampling)
+        n, x = accept_batch(accept_keys, draft, p, q)
+        if found is not None:
+            n = jnp.where(found, n, 0)
+            x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it
 
     draft_pad = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
     new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.sampling import probs_from_logits, sample
+from specsamp.decoding.sampling import first_argmax, probs_from_logits, sample
 from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.feature_draft import FeatureModel
@@ -143,6 +143,8 @@ def _drawer(sampling: SamplingParams, keys: jax.Array):
 
     def draw(logits, i):
         probs = probs_from_logits(logits, sampling)
+        if sampling.greedy:  # a point mass: sample() would return its one token
+            return first_argmax(logits.astype(jnp.float32)), probs
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
         return jax.vmap(sample)(step_keys, probs), probs
 
