@@ -82,3 +82,36 @@ def test_traffic_fields_and_step_bytes():
         embed = 64 * 32 * 4
         assert Model(cfg).step_bytes(params) == (total if tied else total - embed)
         assert params["embed"]["embedding"].dtype == jnp.float32
+
+
+def test_step_flops_count_every_weight_once_in_any_format():
+    """2 FLOPs per weight of every matrix a step reads, whether stored as float32 or in
+    blocks (an int8 matrix stands for as many weights as its float source); the untied
+    embedding is read a row at a time, so it is no product."""
+    import jax
+
+    from specsamp.models import Model, ModelConfig
+    from specsamp.models.llama import init_params
+    from specsamp.quant.blocks import int8_kernel
+
+    for tied in (True, False):
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                          head_dim=16, d_ff=48, tie_embeddings=tied)
+        params = init_params(cfg)
+        weights = sum(a.size for a in jax.tree.leaves(params))
+        expected = 2 * (weights if tied else weights - 64 * 32)
+        assert Model(cfg).step_flops(params) == expected
+        mlp = params["layers"]["mlp"]
+        stored = {**params, "layers": {**params["layers"], "mlp": {
+            **mlp, "up": {"kernel": int8_kernel(mlp["up"]["kernel"], "xla")}}}}
+        assert Model(cfg).step_flops(stored) == expected
+
+
+def test_roofline_is_the_slower_of_bytes_and_flops():
+    from specsamp.analysis.throughput import Machine, roofline_tokens_per_s
+
+    machine = Machine(gb_per_s=10.0, gflop_per_s=100.0)
+    # 1 GB per step reads in 0.1 s; 1 GFLOP per row takes 0.01 s: memory-bound up to 10 rows
+    assert math.isclose(roofline_tokens_per_s(1, 10**9, 10**9, machine), 10.0)
+    assert math.isclose(roofline_tokens_per_s(10, 10**9, 10**9, machine), 100.0)
+    assert math.isclose(roofline_tokens_per_s(40, 10**9, 10**9, machine), 100.0)

@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from specsamp.analysis.throughput import format_throughput, run_throughput
+from specsamp.analysis.throughput import Machine, format_throughput, roofline_tokens_per_s, run_throughput
 from specsamp.decoding.config import SamplingParams
 
+MACHINE = Machine(gb_per_s=10.0, gflop_per_s=50.0)
 PROMPTS = ["the quick brown fox", "one two one two one", "def add(a, b):", "for i in range",
            "the end of the story", "speculative sampling drafts"]
 
@@ -26,10 +27,13 @@ def rows(tmp_path_factory):
         return load_generator(GeneratorSpec(target=target, draft=draft, k=k, sampling=SamplingParams(0.0),
                                             max_new_tokens=10))
 
-    rows = run_throughput(load, PROMPTS, "ngram", [2, "auto"], [1, 4])
+    rows = run_throughput(load, PROMPTS, "ngram", [2, "auto"], [1, 4], machine=MACHINE)
+    lengths = [len(c.token_ids) for c in load("none", 1).generate(PROMPTS, list(range(len(PROMPTS))))]
     # k auto is measured on the generator that `k auto` builds (a hybrid's wide rounds
     # exist only there), not on a fixed-K one
     assert ("ngram", "auto") in loaded and ("ngram", 4) not in loaded
+    for r in rows:
+        r["_lengths"] = lengths
     return rows
 
 
@@ -79,3 +83,43 @@ def test_generator_k_auto_and_continuous_give_greedy_baseline_text(tmp_path):
     assert sum(auto._continuous.k_rounds.values()) > 0
     cont = gen("ngram", 2, "continuous").generate(PROMPTS, seeds)
     assert [c.token_ids for c in cont] == base and all(c.k == 2 for c in cont)
+
+
+def test_rounds_occupancy_and_bounds(rows):
+    """A static batch runs until its longest row ends, one token per row per plain round:
+    its rounds are the sum of each batch's longest completion (counted here from the
+    completions themselves); continuous batching can at best keep every slot busy, so its
+    bound is those rounds over ceil(tokens / B). The baseline rows carry the roofline of
+    the model's own bytes and FLOPs on the given machine figures."""
+    for r in rows:
+        lengths, b = r["_lengths"], r["batch_size"]
+        assert r["tokens_per_slot_round"] == pytest.approx(r["generated_tokens"] / (r["rounds"] * b))
+        if r["drafter"] != "none":
+            assert "ar_bound_tokens_per_s" not in r and "continuous_bound" not in r
+            continue
+        assert r["rounds"] >= -(-sum(lengths) // b)
+        if r["batching"] == "static":
+            static_rounds = sum(max(lengths[i:i + b]) for i in range(0, len(lengths), b))
+            assert r["rounds"] == static_rounds
+            assert r["continuous_bound"] == pytest.approx(static_rounds / -(-sum(lengths) // b))
+        else:
+            assert "continuous_bound" not in r
+        assert r["ar_bound_tokens_per_s"] > 0
+    one = next(r for r in rows if r["drafter"] == "none" and r["batch_size"] == 1)
+    assert one["continuous_bound"] == 1.0 and one["tokens_per_slot_round"] == 1.0
+    text = format_throughput(rows)
+    assert "B=4: static batches kept" in text and "roofline" in text
+
+
+def test_roofline_row_uses_the_models_bytes_and_flops(tmp_path):
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
+    from specsamp.models import Model
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+    gen = load_generator(GeneratorSpec(target=target, draft="none", k=1, max_new_tokens=4))
+    rows = run_throughput(lambda d, k: gen, PROMPTS[:2], "none", [], [2], ["static"], machine=MACHINE)
+    model = Model(gen.engine.prog.target)
+    params = gen.engine.target_params
+    assert rows[0]["ar_bound_tokens_per_s"] == pytest.approx(roofline_tokens_per_s(
+        2, model.step_bytes(params), model.step_flops(params), MACHINE))

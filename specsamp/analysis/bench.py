@@ -137,23 +137,39 @@ def _row(k, sp, ar_ms, timings, gen) -> dict:
     }
 
 
+def _best_seconds(fn, arg, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of the jitted fn(arg), after one to compile."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(arg))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def streaming_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     """This machine's measured memory read bandwidth in GB/s: the best of a few jitted
     sums over a float32 array much larger than the caches (XLA uses every core)."""
-    import time
-
     import jax
     import jax.numpy as jnp
 
     a = jnp.ones((mb * 2**20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return a.nbytes / best / 1e9
+    return a.nbytes / _best_seconds(jax.jit(jnp.sum), a, repeats) / 1e9
+
+
+def compute_peak(n: int = 1024, repeats: int = 5) -> float:
+    """This machine's float32 matrix-multiply rate in GFLOP/s: the best of a few jitted
+    n x n x n products (XLA's own GEMM, every core): what a compute-bound step can reach."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.full((n, n), 0.5, jnp.float32)
+    return 2 * n**3 / _best_seconds(jax.jit(lambda m: m @ m), a, repeats) / 1e9
 
 
 def add_traffic(rows: list[dict], weights: str, step_bytes: int, stream_gb_per_s: float) -> None:

@@ -11,12 +11,23 @@ call (`specsamp.compilation`) and report the seconds apart. Figures:
   ar_tokens_per_s, ar_decode_tokens_per_s: the same for the baseline (drafter "none", K 0)
     at the same batch size and batching;
   speedup: decode_tokens_per_s over the baseline's;
-  vs_static: (continuous rows) decode_tokens_per_s over the static row of the same setting.
+  vs_static: (continuous rows) decode_tokens_per_s over the static row of the same setting;
+  rounds: decode rounds run (each computes every slot of the batch, busy or not);
+  tokens_per_slot_round: generated tokens over rounds x batch_size (for the baseline, the
+    share of slots that produced a token: static batches idle the slots of finished rows);
+  continuous_bound: (static baseline rows) static rounds over the fewest rounds any
+    batching needs, ceil(generated / batch_size): the most continuous batching can gain
+    on these prompts at this batch size;
+  ar_bound_tokens_per_s: (baseline rows, when the machine's figures are given) the
+    roofline of a plain step at this batch size: batch_size rows per max(weight bytes over
+    the streaming bandwidth, batch_size x weight FLOPs per row over the matrix-multiply
+    rate); `roofline_tokens_per_s`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 from specsamp.decoding import stats
@@ -33,6 +44,7 @@ class Measure:
     generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    rounds: int = 0
     k_rounds: dict = dataclasses.field(default_factory=dict)
 
 
@@ -59,11 +71,13 @@ def measure(engine, prompts: Sequence[Sequence[int]], batch: int, batching: str,
             rows = cont.run([prompts[i] for i in g], [seeds[i] for i in g])
             m.generated += sum(len(r.token_ids) for r in rows)
         m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
+        m.rounds = sum(m.k_rounds.values())
         return m
     for i in range(0, len(prompts), batch):
         rows = engine.run(prompts[i : i + batch], seeds[i : i + batch])
         m.prefill_s += rows[0].prefill_s  # the batch's prefill and decoding (compiling apart)
         m.decode_s += rows[0].batch_decode_s
+        m.rounds += rows[0].batch_rounds
         m.generated += sum(len(r.token_ids) for r in rows)
     return m
 
@@ -74,6 +88,23 @@ def _timed(engine, prompts, batch, batching, k, log) -> Measure:
     return m
 
 
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What bounds a plain step here: measured streaming bandwidth and matrix-multiply rate
+    (`specsamp.analysis.bench.streaming_bandwidth`, `compute_peak`)."""
+
+    gb_per_s: float
+    gflop_per_s: float
+
+
+def roofline_tokens_per_s(batch: int, step_bytes: int, step_flops: int, machine: Machine) -> float:
+    """Tokens/s of plain steps of `batch` rows if each step took only the longer of reading
+    the weights once (bytes) and their products for every row (FLOPs per row x batch)."""
+    seconds = max(step_bytes / (machine.gb_per_s * 1e9),
+                  batch * step_flops / (machine.gflop_per_s * 1e9))
+    return batch / seconds
+
+
 def run_throughput(
     load: Callable,  # (draft, k) -> Generator
     prompts: Sequence[str],
@@ -82,9 +113,17 @@ def run_throughput(
     batch_sizes: Sequence[int],
     batchings: Sequence[str] = ("static", "continuous"),
     log: Callable[[str], None] = lambda s: None,
+    machine: Machine | None = None,
 ) -> list[dict]:
     ar = load("none", 1)
     ids = [ar.encode_prompt(p) for p in prompts]
+    bound = None
+    if machine is not None:
+        from specsamp.models import Model
+
+        model = Model(ar.engine.prog.target)
+        step = model.step_bytes(ar.engine.target_params), model.step_flops(ar.engine.target_params)
+        bound = lambda b: roofline_tokens_per_s(b, *step, machine)  # noqa: E731
     rows = []
     for batch in batch_sizes:
         static: dict = {}
@@ -96,6 +135,11 @@ def run_throughput(
                 settings.append((gen.draft_id, k, gen, _timed(gen.engine, ids, batch, batching, k, log)))
             for name, k, gen, m in settings:
                 row = _row(batch, batching, name, k, m, base)
+                if name == "none":
+                    if batching == "static":
+                        row["continuous_bound"] = stats.ratio(m.rounds, math.ceil(m.generated / batch))
+                    if bound is not None:
+                        row["ar_bound_tokens_per_s"] = bound(batch)
                 if batching == "static":
                     static[(name, k)] = row["decode_tokens_per_s"]
                 elif (name, k) in static:
@@ -116,7 +160,8 @@ def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
         "ar_decode_tokens_per_s": base_decode,
         "speedup": stats.ratio(decode, base_decode),
         "prompts": m.prompts, "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated,
-        "prefill_s": m.prefill_s, "decode_s": m.decode_s,
+        "prefill_s": m.prefill_s, "decode_s": m.decode_s, "rounds": m.rounds,
+        "tokens_per_slot_round": stats.ratio(m.generated, m.rounds * batch),
         "k_rounds": {str(key): v for key, v in sorted(m.k_rounds.items())},
     }
 
@@ -133,4 +178,20 @@ def format_throughput(rows: list[dict]) -> str:
             f"{r['tokens_per_s']:>9.1f} {r['ar_decode_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {vs}")
     lines.append("decode t/s: generated tokens over decode wall time; total: over prefill + decode; "
                  "speed-up: decode t/s over the baseline's (same B and batching)")
+    lines += _limits(rows)
     return "\n".join(lines)
+
+
+def _limits(rows: list[dict]) -> list[str]:
+    """One line per batch size on what bounds the baseline there."""
+    out = []
+    for r in rows:
+        if r["drafter"] != "none" or r["batching"] != "static":
+            continue
+        line = (f"B={r['batch_size']}: static batches kept {r['tokens_per_slot_round']:.0%} of slot-rounds "
+                f"busy (continuous batching can gain at most {r['continuous_bound']:.2f}x here)")
+        if "ar_bound_tokens_per_s" in r:
+            line += (f"; plain-step roofline {r['ar_bound_tokens_per_s']:.0f} t/s, "
+                     f"measured {r['decode_tokens_per_s'] / r['ar_bound_tokens_per_s']:.0%} of it")
+        out.append(line)
+    return out

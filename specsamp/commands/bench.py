@@ -136,7 +136,8 @@ def _print(rows: list[dict], as_json: bool, table) -> int:
 
 
 def run_throughput_command(args) -> int:
-    from specsamp.analysis.throughput import format_throughput, run_throughput
+    from specsamp.analysis.bench import compute_peak, streaming_bandwidth
+    from specsamp.analysis.throughput import Machine, format_throughput, run_throughput
     from specsamp.decoding.config import SamplingParams, check_k
     from specsamp.decoding.generator import GeneratorSpec, load_generator
 
@@ -154,6 +155,9 @@ def run_throughput_command(args) -> int:
     status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
 
     status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}")
+    machine = Machine(streaming_bandwidth(), compute_peak())
+    status(f"this machine streams {machine.gb_per_s:.1f} GB/s and multiplies float32 matrices "
+           f"at {machine.gflop_per_s:.0f} GFLOP/s")
     rows = []
     for weights in args.weights:
         def load(draft, k, weights=weights):
@@ -163,6 +167,6 @@ def run_throughput_command(args) -> int:
                                                 tensor_parallel=args.tensor_parallel))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
-                               log=status)
+                               log=status, machine=machine)
         rows += [{**r, "weights": weights} for r in group]
     return _print(rows, args.json, format_throughput)

@@ -17,6 +17,7 @@ file and the layers below it, not the decoding loop.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -102,6 +103,19 @@ class Model:
 
         total = nbytes(params)
         return total if self.cfg.tie_embeddings else total - nbytes(params["embed"])
+
+    def step_flops(self, params) -> int:
+        """Floating-point operations of one decode step per row in its weight products:
+        2 per weight of every matrix the step reads (as `step_bytes`; attention over the
+        cache and the element-wise work come on top)."""
+        from specsamp.quant.blocks import is_quantized
+
+        def weights(tree):
+            leaves = jax.tree.leaves(tree, is_leaf=is_quantized)
+            return sum(math.prod(w.shape) if is_quantized(w) else int(w.size) for w in leaves)
+
+        total = weights(params)
+        return 2 * (total if self.cfg.tie_embeddings else total - weights(params["embed"]))
 
     def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
         return self.shard_cache(init_cache(self.cfg, batch, slots, dtype))
