@@ -123,3 +123,27 @@ def test_roofline_row_uses_the_models_bytes_and_flops(tmp_path):
     params = gen.engine.target_params
     assert rows[0]["ar_bound_tokens_per_s"] == pytest.approx(roofline_tokens_per_s(
         2, model.step_bytes(params), model.step_flops(params), MACHINE))
+
+
+def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
+    """Static batches are interleaved: every setting runs batch i before any runs batch
+    i + 1 (machine noise then falls on all settings alike); continuous runs the stream."""
+    from specsamp.analysis import throughput
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+    calls = []
+    add = throughput._Setting.add
+    monkeypatch.setattr(throughput._Setting, "add",
+                        lambda self, group: (calls.append((self, tuple(group))), add(self, group)))
+
+    def load(draft, k):
+        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
+
+    rows = run_throughput(load, PROMPTS, "ngram", [2], [2], ["static", "continuous"])
+    static = [group for _, group in calls[:6]]
+    assert static == [(0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5)]
+    assert len({s for s, _ in calls[:6]}) == 2
+    assert [group for _, group in calls[6:]] == [tuple(range(len(PROMPTS)))] * 2
+    assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4

@@ -1,7 +1,8 @@
 """Throughput benchmark (`specsamp bench --throughput`): tokens per second of a batch job,
 per batch size, drafter and K (a fixed K or `auto`, the batch-aware policy), with static
 batches (a batch runs until its longest row ends) and continuous batching (free slots are
-refilled), EOS on, on the same prompts, in one process.
+refilled), EOS on, on the same prompts, in one process; with static batches every setting
+runs each batch in turn before the next batch (interleaved under the same machine noise).
 
 Compilation is never timed: both engines compile every program ahead of its first timed
 call (`specsamp.compilation`) and report the seconds apart. Figures:
@@ -57,35 +58,38 @@ def _continuous(engine, batch: int, k, prompts) -> ContinuousEngine:
     return cont
 
 
-def measure(engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k) -> Measure:
-    """One run of all prompts (seeds 0..n-1): `static` in groups of `batch` with the static
-    engine (with K auto, each group through a continuous engine with nothing to refill),
-    `continuous` through `batch` slots."""
-    seeds = list(range(len(prompts)))
-    m = Measure(prompts=len(prompts), prompt_tokens=sum(len(p) for p in prompts))
-    if batching == "continuous" or k == AUTO:
-        groups = [range(len(prompts))] if batching == "continuous" else [
-            range(i, min(i + batch, len(prompts))) for i in range(0, len(prompts), batch)]
-        cont = _continuous(engine, batch, k, prompts)
-        for g in groups:
-            rows = cont.run([prompts[i] for i in g], [seeds[i] for i in g])
-            m.generated += sum(len(r.token_ids) for r in rows)
-        m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
-        m.rounds = sum(m.k_rounds.values())
-        return m
-    for i in range(0, len(prompts), batch):
-        rows = engine.run(prompts[i : i + batch], seeds[i : i + batch])
+class _Setting:
+    """One setting's engine and running totals, fed groups of the prompts in turn:
+    `static` through the static engine (with K auto, a continuous engine with nothing to
+    refill), `continuous` through `batch` slots. Seeds are the prompts' indices."""
+
+    def __init__(self, engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k):
+        self.engine, self.prompts, self.m = engine, prompts, Measure()
+        self.cont = (_continuous(engine, batch, k, prompts)
+                     if batching == "continuous" or k == AUTO else None)
+
+    def add(self, group: Sequence[int]) -> None:
+        m, prompts = self.m, [self.prompts[i] for i in group]
+        m.prompts += len(prompts)
+        m.prompt_tokens += sum(len(p) for p in prompts)
+        if self.cont is not None:
+            cont = self.cont
+            m.generated += sum(len(r.token_ids) for r in cont.run(prompts, list(group)))
+            m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
+            m.rounds = sum(m.k_rounds.values())
+            return
+        rows = self.engine.run(prompts, list(group))
         m.prefill_s += rows[0].prefill_s  # the batch's prefill and decoding (compiling apart)
         m.decode_s += rows[0].batch_decode_s
         m.rounds += rows[0].batch_rounds
         m.generated += sum(len(r.token_ids) for r in rows)
-    return m
 
 
-def _timed(engine, prompts, batch, batching, k, log) -> Measure:
-    m = measure(engine, prompts, batch, batching, k)
-    log(f"  batch {batch} {batching} K={k}: {m.generated / m.decode_s:.1f} decode tokens/s")
-    return m
+def _groups(n: int, batch: int, batching: str) -> list[range]:
+    """Static: the batches, in order; continuous: one stream of every prompt."""
+    if batching == "continuous":
+        return [range(n)]
+    return [range(i, min(i + batch, n)) for i in range(0, n, batch)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +132,21 @@ def run_throughput(
     for batch in batch_sizes:
         static: dict = {}
         for batching in batchings:
-            base = _timed(ar.engine, ids, batch, batching, 0, log)
-            settings = [("none", 0, ar, base)]
+            gens = [("none", 0, ar)]
             for k in ks:
                 gen = load(drafter, k)  # "auto": the generator the policy runs (wide rounds too)
-                settings.append((gen.draft_id, k, gen, _timed(gen.engine, ids, batch, batching, k, log)))
-            for name, k, gen, m in settings:
+                gens.append((gen.draft_id, k, gen))
+            settings = [_Setting(gen.engine, ids, batch, batching, k) for _, k, gen in gens]
+            # Static batches run every setting in turn before the next batch, so that a
+            # slow spell of the machine falls on all of them alike (continuous batching
+            # needs the whole stream: its settings run one after the other).
+            for group in _groups(len(ids), batch, batching):
+                for setting in settings:
+                    setting.add(group)
+            base = settings[0].m
+            for (name, k, _), setting in zip(gens, settings):
+                m = setting.m
+                log(f"  batch {batch} {batching} K={k}: {m.generated / m.decode_s:.1f} decode tokens/s")
                 row = _row(batch, batching, name, k, m, base)
                 if name == "none":
                     if batching == "static":
