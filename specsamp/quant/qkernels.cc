@@ -149,6 +149,20 @@ inline void halves_to_floats(const uint16_t* h, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = _cvtsh_ss(h[i]);
 }
 
+// Software prefetch of the weights `kPrefetchRows` output rows ahead of the one being
+// summed (codes, scales, minimums), into L1. A pass over few rows is bound by how fast
+// the weights arrive; each core's hardware prefetchers left the kernels at ~4.5 GB/s per
+// core on the embedded model's layers (the machine streams ~23 GB/s on 2 cores), and
+// 16 rows ahead made gate + up at 1-4 rows 15-25% faster (cold caches, 2 cores); 8 and 32
+// gained less (the last rows prefetch the matrix's last rows again).
+constexpr int64_t kPrefetchRows = 16;
+
+inline void prefetch_bytes(const void* start, int64_t bytes) {
+  const char* c = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
+}
+
 // ---- AVX-512: 16 lanes. NR rows at once with two accumulators each (a q4 block is two
 // vectors: inputs 0..15 from the low nibbles, 16..31 from the high), for NO output rows at
 // once (NO = 2 when a pass has 4 or more rows: each input vector loaded feeds both outputs;
@@ -166,6 +180,10 @@ void q4_avx512_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float d[NO][kMaxBlocks + 16], m[NO][kMaxBlocks + 16];
   for (int64_t n = n0; n < n1; n += NO) {  // n1 - n0 a multiple of NO
+    const int64_t ahead = std::max(n, std::min(n + kPrefetchRows, p.n - NO));
+    prefetch_bytes(p.codes + ahead * (p.cols / 2), NO * (p.cols / 2));
+    prefetch_bytes(static_cast<const uint16_t*>(p.scale) + ahead * nb, NO * nb * 2);
+    prefetch_bytes(p.min + ahead * nb, NO * nb * 2);
     __m512 a0[NO][NR], a1[NO][NR];
     for (int o = 0; o < NO; ++o)
       for (int r = 0; r < NR; ++r) a0[o][r] = a1[o][r] = _mm512_setzero_ps();
@@ -215,6 +233,9 @@ void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t nb = p.cols / p.block;
   alignas(64) float ds[kMaxBlocks + 16];
   for (int64_t n = n0; n < n1; ++n) {
+    const int64_t ahead = std::min(n + kPrefetchRows, p.n - 1), scale_bytes = p.scale_f32 ? 4 : 2;
+    prefetch_bytes(p.codes + ahead * p.cols, p.cols);
+    prefetch_bytes(static_cast<const char*>(p.scale) + ahead * nb * scale_bytes, nb * scale_bytes);
     __m512 a0[NR], a1[NR];
     for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     const float* drow = ds;
