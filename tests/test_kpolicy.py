@@ -95,3 +95,10 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(costs, "_timer", no_timing)
     assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
+    # a rebuilt kernel library is a different machine for its costs: measured afresh
+    from specsamp.quant import kernels
+
+    monkeypatch.setattr(kernels, "library_digest", lambda: "another build")
+    with pytest.raises(AssertionError, match="measured again"):
+        costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128)
+

@@ -99,8 +99,12 @@ class CostCurve:
 
 def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
     drafter = engine.prog.drafter
+    from specsamp.quant.kernels import library_digest
+
+    # the native kernels' build too: a rebuilt (faster or slower) kernel changes every cost
     ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
-                  engine.prog.target, drafter.with_k(1) if drafter is not None else None,
+                  library_digest(), engine.prog.target,
+                  drafter.with_k(1) if drafter is not None else None,
                   batch, slots, sorted(tokens)))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp"))

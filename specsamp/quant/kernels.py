@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import os
 import sys
 import threading
@@ -28,6 +29,20 @@ def library_path() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     found = sorted(glob.glob(os.path.join(here, "_qkernels*.so")))
     return found[0] if found else None
+
+
+def library_digest() -> str:
+    """A short hash of the built kernel library ('' when none): measurements of its speed
+    cached on disk (cost curves) are keyed on it, so a rebuilt kernel is measured afresh."""
+    with _LOCK:
+        if "digest" not in _STATE:
+            path = library_path()
+            if path is None:
+                _STATE["digest"] = ""
+            else:
+                with open(path, "rb") as fh:
+                    _STATE["digest"] = hashlib.sha256(fh.read()).hexdigest()[:16]
+        return _STATE["digest"]
 
 
 def load() -> str | None:
