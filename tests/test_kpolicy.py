@@ -102,3 +102,17 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="measured again"):
         costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128)
 
+
+
+def test_a_small_predicted_gain_keeps_plain_rounds():
+    """Drafting predicted 3% faster than plain rounds (within the cost curve's error) keeps
+    K = 0; 10% faster drafts. Scoring 2 tokens costs 1.3 steps, alpha 0.34 or 0.43."""
+    policy = _policy(lambda t: 1.0 if t == 1 else 1.3 + 10 * (t - 2), draft=0.0)
+    few, more = np.array([34.0]), np.array([43.0])
+    tested = np.array([100.0])
+    assert policy.tokens_per_second(1, policy.alphas(few, tested)) == pytest.approx(1.03, abs=0.01)
+    assert KS[policy(few, tested)] == 0
+    assert policy.tokens_per_second(1, policy.alphas(more, tested)) == pytest.approx(1.10, abs=0.01)
+    assert KS[policy(more, tested)] == 1
+    eager = KPolicy(policy.curve, KS, margin=0.0)
+    assert KS[eager(few, tested)] == 1
