@@ -98,9 +98,9 @@ class CostCurve:
 
 
 def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
-    drafter = engine.prog.drafter
     from specsamp.quant.kernels import library_digest
 
+    drafter = engine.prog.drafter
     # the native kernels' build too: a rebuilt (faster or slower) kernel changes every cost
     ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
                   library_digest(), engine.prog.target,

@@ -95,27 +95,29 @@ class Model:
         return jax.eval_shape(lambda t: Transformer(self.cfg).init(
             jax.random.PRNGKey(0), t, t, self.init_cache(1, 1)), tokens)["params"]
 
-    def step_bytes(self, params) -> int:
-        """Weight bytes one decode step reads: every matrix once (the embedding table too
-        when it is the tied head; an untied embedding only reads a row per token)."""
-        def nbytes(tree):
-            return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+    def _read_per_step(self, params, count) -> int:
+        """count(tree) over the parameters one decode step reads: every matrix once (the
+        embedding table too when it is the tied head; an untied embedding only gives a row
+        per token, no product)."""
+        total = count(params)
+        return total if self.cfg.tie_embeddings else total - count(params["embed"])
 
-        total = nbytes(params)
-        return total if self.cfg.tie_embeddings else total - nbytes(params["embed"])
+    def step_bytes(self, params) -> int:
+        """Weight bytes one decode step reads."""
+        return self._read_per_step(
+            params, lambda tree: sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
     def step_flops(self, params) -> int:
         """Floating-point operations of one decode step per row in its weight products:
-        2 per weight of every matrix the step reads (as `step_bytes`; attention over the
-        cache and the element-wise work come on top)."""
+        2 per weight of the matrices `step_bytes` counts (attention over the cache and the
+        element-wise work come on top)."""
         from specsamp.quant.blocks import is_quantized
 
         def weights(tree):
             leaves = jax.tree.leaves(tree, is_leaf=is_quantized)
             return sum(math.prod(w.shape) if is_quantized(w) else int(w.size) for w in leaves)
 
-        total = weights(params)
-        return 2 * (total if self.cfg.tie_embeddings else total - weights(params["embed"]))
+        return 2 * self._read_per_step(params, weights)
 
     def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
         return self.shard_cache(init_cache(self.cfg, batch, slots, dtype))
