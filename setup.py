@@ -43,12 +43,15 @@ class OptionalBuildExt(build_ext):
 KERNELS = Extension(
     "specsamp.quant._qkernels",
     sources=["specsamp/quant/qkernels.cc", "specsamp/quant/attention.cc"],
-    depends=["specsamp/quant/cpu.h", "specsamp/quant/parallel.h", "specsamp/quant/q4gemm.h"],
+    depends=["specsamp/quant/cpu.h", "specsamp/quant/parallel.h", "specsamp/quant/q4gemm.h",
+             "specsamp/quant/amx.h"],
     language="c++",
     # Vector code is selected per function at run time (AVX-512 / AVX2 / portable), so
     # no -march flag: the library runs on any x86-64 (and builds elsewhere, portable).
+    # (-Wno-maybe-uninitialized: GCC 12 flags the undefined pass-through vector inside
+    # its own unmasked AVX-512 conversion intrinsics, a false positive.)
     extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",
-                        "-Wno-return-type"],
+                        "-Wno-return-type", "-Wno-maybe-uninitialized"],
 )
 
 setup(ext_modules=[KERNELS], cmdclass={"build_ext": OptionalBuildExt})

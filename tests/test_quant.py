@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from specsamp.quant import QWeight, dequantize, dequantize_rows, from_gguf_blocks, matmul
-from specsamp.quant import kernels
-from specsamp.quant.blocks import block_bits, quantize_int8_rows
+from specsamp.quant import kernels, to_qweight
+from specsamp.quant.blocks import plain, quantize_int8_rows, take_rows, tile_fields, tileable
 
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -32,10 +32,10 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def qweight(fields: dict, backend: str, transposed: bool = False) -> QWeight:
-    bits, block = block_bits(fields)
-    arr = lambda a: None if a is None else jnp.asarray(a)
-    return QWeight(arr(fields["codes"]), arr(fields["scale"]), arr(fields["min"]), bits=bits,
-                   block=block, transposed=transposed, backend=backend)
+    """As the loader builds it: on the "cpu" backend of an AMX machine, in the tile layout
+    where the matrix takes it (whole groups of 16 outputs), so the tests below run the
+    tile kernels there and the AVX-512 ones under SPECSAMP_ISA=avx512."""
+    return to_qweight(fields, transposed, backend)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,12 +67,15 @@ def _kernel_or_skip():
 
 @pytest.mark.parametrize("kind", KINDS + ("int8",))
 @pytest.mark.parametrize("rows_x", [1, 5, 70])
-def test_kernel_matches_reference(kind, rows_x):
+@pytest.mark.parametrize("n", [200, 208])
+def test_kernel_matches_reference(kind, rows_x, n):
     """Catches kernel bugs (wrong block indexing, tails of row chunks, R > one pass of
-    rows, threads writing the wrong rows): the native product equals x @ W.T computed in
-    float64 from gguf-py's values, to float32 rounding."""
+    rows, threads writing the wrong rows, a wrong tile layout or limb arithmetic): the
+    native product equals x @ W.T computed in float64 from gguf-py's values, to float32
+    rounding. n not a multiple of the 64-row chunk; 208 (13 groups of 16) takes the tile
+    path on AMX, 200 the AVX-512 one."""
     _kernel_or_skip()
-    n, c = 200, 160  # n not a multiple of the 64-row chunk
+    c = 160
     if kind == "int8":
         dense = np.random.default_rng(1).normal(size=(n, c)).astype(np.float32)
         fields = quantize_int8_rows(dense)
@@ -89,7 +92,8 @@ def test_kernel_matches_reference(kind, rows_x):
 
 # (kind, outputs, inputs): 130 outputs take the row-pass kernels only; 112 x 96 (q4) also
 # the many-row path from 24 rows (chunks of 64 and 48 outputs, 3 blocks per row).
-ROWS_CASES = [("Q4_1", 130, 64), ("Q8_0", 130, 64), ("Q4_1", 112, 96)]
+# On AMX, 112 and 128 outputs take the tile path (96 inputs: an odd number of blocks).
+ROWS_CASES = [("Q4_1", 130, 64), ("Q8_0", 130, 64), ("Q4_1", 112, 96), ("Q8_0", 128, 96)]
 
 
 @pytest.mark.parametrize("kind,n,c", ROWS_CASES)
@@ -130,7 +134,7 @@ def test_layer_view_reads_the_right_layer():
     from specsamp.quant import layer_view
 
     for kind in ("Q4_1", "Q8_0"):
-        layers = [from_gguf_blocks(random_blocks(kind, 40, 64, seed=10 + i), kind, 40, 64)
+        layers = [from_gguf_blocks(random_blocks(kind, 48, 64, seed=10 + i), kind, 48, 64)
                   for i in range(3)]
         stacked = {k: None if layers[0][k] is None else np.stack([f[k] for f in layers])
                    for k in layers[0]}
@@ -150,7 +154,7 @@ def test_one_call_for_several_matrices(kind):
     _kernel_or_skip()
     from specsamp.quant import layer_view, matmul_many
 
-    shapes = [(200, 96), (70, 96), (64, 96)]  # rows not multiples of the 64-row chunk
+    shapes = [(208, 96), (80, 96), (64, 96)]  # rows not multiples of the 64-row chunk
     stacks = []
     for m, (n, c) in enumerate(shapes):
         layers = [from_gguf_blocks(random_blocks(kind, n, c, seed=20 + 3 * m + i), kind, n, c)
@@ -175,17 +179,19 @@ def test_one_call_for_several_matrices(kind):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_kernels_on_other_instruction_sets(isa):
-    """This machine runs the AVX-512 code; others run the AVX2 or the portable loops (their
-    own row limits per pass, their own decoding). Catches a bug in those paths: the kernel
-    tests above, rerun in a process whose kernels are capped at `isa`."""
+    """This machine runs the AMX or AVX-512 code; others run AVX-512 without tiles, the AVX2
+    or the portable loops (their own row limits per pass, their own decoding). Catches a
+    bug in those paths: the kernel tests above, rerun in a process whose kernels are capped
+    at `isa`."""
     import subprocess
     import sys
 
     _kernel_or_skip()
-    if kernels.isa() == "portable" and isa == "avx2":
-        pytest.skip("no AVX2 on this machine")
+    order = ["portable", "avx2", "avx512", "amx"]
+    if order.index(kernels.isa()) <= order.index(isa):
+        pytest.skip(f"this machine runs {kernels.isa()}: the tests above ran that path")
     env = {**os.environ, "SPECSAMP_ISA": isa}
     probe = subprocess.run([sys.executable, "-c", "from specsamp.quant import kernels; print(kernels.isa())"],
                            env=env, capture_output=True, text=True, timeout=300)
@@ -196,3 +202,45 @@ def test_kernels_on_other_instruction_sets(isa):
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tile_layout_reads_as_the_gguf_one(kind):
+    """Catches a wrong permutation into or out of the tile layout (any machine: the XLA
+    path reads it too): the same values whole, by rows (an embedding lookup) and as a
+    reduced head, and back to the GGUF bytes."""
+    n, c = 48, 96
+    fields = from_gguf_blocks(random_blocks(kind, n, c, seed=30), kind, n, c)
+    assert tileable(fields)
+    bits = 8 if kind == "Q8_0" else 4
+    gguf = qweight(fields, "xla")
+    tiled = QWeight(*(None if fields[k] is None else jnp.asarray(v) for k, v in
+                      tile_fields(fields, bits).items()), bits=bits, block=32, transposed=False,
+                   layout="tiles")
+    assert not np.array_equal(np.asarray(tiled.codes), fields["codes"])
+    want = np.asarray(dequantize(gguf))
+    np.testing.assert_array_equal(np.asarray(dequantize(tiled)), want)
+    ids = jnp.asarray([17, 0, 47, 17, 31])
+    np.testing.assert_array_equal(np.asarray(dequantize_rows(tiled, ids)), want[np.asarray(ids)])
+    back = plain(tiled)
+    np.testing.assert_array_equal(np.asarray(back.codes), fields["codes"])
+    np.testing.assert_array_equal(np.asarray(back.scale), fields["scale"])
+    head_ids = jnp.asarray(np.random.default_rng(0).permutation(n)[:32])
+    head = take_rows(tiled, head_ids, transposed=True)
+    assert head.layout == "tiles"
+    np.testing.assert_array_equal(np.asarray(dequantize(head)), want[np.asarray(head_ids)].T)
+    assert take_rows(tiled, head_ids[:5], transposed=False).layout == "gguf"
+
+
+def test_tile_path_where_amx():
+    """On an AMX machine the loader puts Q4 / Q8_0 matrices of whole groups of 16 outputs
+    in the tile layout (else the tests above would not run the tile kernels there), and
+    others stay in the GGUF one."""
+    _kernel_or_skip()
+    if not kernels.amx():
+        pytest.skip(f"no AMX here ({kernels.isa()})")
+    fields = from_gguf_blocks(random_blocks("Q4_1", 64, 64), "Q4_1", 64, 64)
+    assert qweight(fields, "cpu").layout == "tiles"
+    assert qweight(fields, "xla").layout == "gguf"
+    odd = from_gguf_blocks(random_blocks("Q8_0", 40, 64), "Q8_0", 40, 64)
+    assert qweight(odd, "cpu").layout == "gguf"

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specsamp.mesh import AXIS, replicate
 from specsamp.quant import is_quantized
+from specsamp.quant.blocks import plain
 
 
 def _names(path) -> tuple[str, ...]:
@@ -89,7 +90,7 @@ def param_shardings(cfg, params, mesh: Mesh):
 
 
 def _xla(params):
-    return jax.tree.map(lambda w: w.replace(backend="xla") if is_quantized(w) else w,
+    return jax.tree.map(lambda w: plain(w).replace(backend="xla") if is_quantized(w) else w,
                         params, is_leaf=is_quantized)
 
 

@@ -17,6 +17,11 @@ parameter this replaces is W.T (a Dense kernel [in, out]) rather than W (an embe
 [V, D]). `backend` picks who computes products: "xla" (dequantize then dot, inside the
 fusion: the reference, and the path on TPU/GPU) or "cpu" (the native kernels of
 `specsamp.quant.kernels`).
+
+`layout` is "gguf" (the order above) or "tiles": the same bytes permuted so that each
+group of 16 output rows and block of 32 inputs is contiguous in the order the CPU's tile
+unit (AMX) reads it (amx.h). Weights take it on the "cpu" backend where the kernels run on
+AMX (`to_qweight`); every function here reads either layout (the values do not change).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class QWeight:
     block: int = flax.struct.field(pytree_node=False, default=32)
     transposed: bool = flax.struct.field(pytree_node=False, default=True)
     backend: str = flax.struct.field(pytree_node=False, default="xla")
+    layout: str = flax.struct.field(pytree_node=False, default="gguf")  # or "tiles"
 
     @property
     def rows(self) -> int:
@@ -74,12 +80,89 @@ def layer_view(w, i):
     return jax.tree.map(lambda a: a[i], w)
 
 
-def _resolve(w: QWeight) -> QWeight:
-    """A view as the plain (sliced) weight."""
-    if w.layer is None:
+# ---- the tile layout: for each group of TILE outputs, block b, the bytes of a tile.
+TILE = 16
+
+
+def _tile_view(a, bits: int | None):
+    """Shape of a field [..., N, X] as [..., N/16, 16, nb, k, i] (codes: k rows of i bytes
+    per block; bits None: a scale or min [..., N, nb] as [..., N/16, 16, nb])."""
+    *lead, n, x = a.shape
+    if bits is None:
+        return (*lead, n // TILE, TILE, x)
+    per = 4 if bits == 4 else 8  # a block's bytes in 4-byte tile columns: 16 or 32 bytes
+    return (*lead, n // TILE, TILE, x // (4 * per), per, 4)
+
+
+def tile_fields(fields: dict, bits: int, xp=np) -> dict:
+    """GGUF-order fields {codes, scale, min} [..., N, ...] in the tile layout (same shapes)."""
+    out = {}
+    for name, a in fields.items():
+        if a is None or name not in ("codes", "scale", "min"):
+            out[name] = a
+            continue
+        view = xp.reshape(a, _tile_view(a, bits if name == "codes" else None))
+        axis = -4 if name == "codes" else -2  # the 16 outputs go inside each block
+        out[name] = xp.reshape(xp.moveaxis(view, axis, -2 if name == "codes" else -1), a.shape)
+    return out
+
+
+def _untile(a, bits: int | None, xp=jnp):
+    shape = _tile_view(a, bits)
+    if bits is None:
+        moved = (*shape[:-2], shape[-1], shape[-2])
+        return xp.reshape(xp.swapaxes(xp.reshape(a, moved), -1, -2), a.shape)
+    moved = (*shape[:-4], shape[-3], shape[-2], shape[-4], shape[-1])
+    return xp.reshape(xp.moveaxis(xp.reshape(a, moved), -2, -4), a.shape)
+
+
+def tileable(fields: dict) -> bool:
+    """Whether the kernels' tile path takes these host fields: Q4 with float16 scales and
+    minimums, or Q8_0 (blocks of 32, float16 scales), with whole groups of 16 outputs."""
+    codes, scale, minimum = fields["codes"], fields["scale"], fields.get("min")
+    bits, block = block_bits(fields)
+    halves = scale.dtype == np.float16 and (bits == 8 or (minimum is not None and minimum.dtype == np.float16))
+    return block == 32 and halves and codes.shape[-2] % TILE == 0
+
+
+def plain(w: QWeight) -> QWeight:
+    """`w` in the GGUF layout (a copy where it is in the tile layout)."""
+    if w.layout == "gguf":
         return w
-    take = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
-    return w.replace(codes=take(w.codes), scale=take(w.scale), min=take(w.min), layer=None)
+    un = lambda a, bits: None if a is None else _untile(a, bits)
+    return w.replace(codes=un(w.codes, w.bits), scale=un(w.scale, None), min=un(w.min, None),
+                     layout="gguf")
+
+
+def _resolve(w: QWeight) -> QWeight:
+    """A view as the plain (sliced) weight, in the GGUF layout."""
+    if w.layer is not None:
+        take = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False)
+        w = w.replace(codes=take(w.codes), scale=take(w.scale), min=take(w.min), layer=None)
+    return plain(w)
+
+
+def _rows(w: QWeight, ids):
+    """(codes, scale, min) of rows `ids` in the GGUF layout: gathered from the tile layout
+    without undoing the whole matrix (an embedding lookup reads a few rows)."""
+    if w.layer is not None or w.layout == "gguf":
+        w = _resolve(w)
+        take = lambda a: None if a is None else jnp.take(a, ids, axis=-2)
+        return take(w.codes), take(w.scale), take(w.min)
+    ids = jnp.asarray(ids)
+    group, lane = ids // TILE, ids % TILE
+
+    def take(a, bits):
+        if a is None:
+            return None
+        shape = _tile_view(a, bits)  # GGUF order; in memory the 16 outputs sit inside
+        if bits is None:
+            picked = jnp.reshape(a, (shape[0], shape[2], TILE))[group, :, lane]
+        else:
+            picked = jnp.reshape(a, (shape[0], shape[2], shape[3], TILE, 4))[group, :, :, lane]
+        return jnp.reshape(picked, ids.shape + (a.shape[-1],))
+
+    return take(w.codes, w.bits), take(w.scale, None), take(w.min, None)
 
 
 def _values(w: QWeight, codes, scale, minimum) -> jax.Array:
@@ -108,9 +191,7 @@ def dequantize(w) -> jax.Array:
 
 def dequantize_rows(w, ids) -> jax.Array:
     """Float32 rows W[ids] [N, C] of a quantized matrix (only those rows are decoded)."""
-    w = _resolve(w)
-    take = lambda a: None if a is None else jnp.take(a, ids, axis=-2)
-    return _values(w, take(w.codes), take(w.scale), take(w.min))
+    return _values(w, *_rows(w, ids))
 
 
 def matmul(x: jax.Array, w) -> jax.Array:
@@ -134,7 +215,7 @@ def matmul_many(x: jax.Array, ws) -> list[jax.Array]:
 
         first = ws[0]
         if all(kernels.supports(w) and w.bits == first.bits and w.cols == first.cols
-               and w.layer is first.layer for w in ws):
+               and w.layer is first.layer and w.layout == first.layout for w in ws):
             return kernels.qmatmul_many(x, ws)
     return [matmul(x, w) for w in ws]
 
@@ -177,12 +258,19 @@ def quantize_int8_rows(w: np.ndarray) -> dict:
 
 
 def to_qweight(fields: dict, transposed: bool, backend: str) -> QWeight:
-    """A QWeight (jax arrays) from host fields {codes, scale, min}."""
+    """A QWeight (jax arrays) from host fields {codes, scale, min} in the GGUF layout; in
+    the tile layout where the kernels run on AMX and take these fields."""
     bits, block = block_bits(fields)
+    layout = "gguf"
+    if backend == "cpu" and tileable(fields):
+        from specsamp.quant import kernels
+
+        if kernels.amx():
+            fields, layout = tile_fields(fields, bits), "tiles"
     m = fields.get("min")
     return QWeight(jnp.asarray(fields["codes"]), jnp.asarray(fields["scale"]),
                    None if m is None else jnp.asarray(m), None, bits=bits, block=block,
-                   transposed=transposed, backend=backend)
+                   transposed=transposed, backend=backend, layout=layout)
 
 
 def int8_kernel(kernel, backend: str) -> QWeight:
@@ -192,11 +280,15 @@ def int8_kernel(kernel, backend: str) -> QWeight:
 
 
 def take_rows(w: QWeight, ids, transposed: bool) -> QWeight:
-    """The rows `ids` of a quantized matrix, still quantized (e.g. a reduced head)."""
-    w = _resolve(w)
-    take = lambda a: None if a is None else jnp.take(a, ids, axis=-2)
-    return QWeight(take(w.codes), take(w.scale), take(w.min), bits=w.bits, block=w.block,
-                   transposed=transposed, backend=w.backend)
+    """The rows `ids` of a quantized matrix, still quantized (e.g. a reduced head), in
+    `w`'s layout where the rows make whole groups of 16."""
+    codes, scale, minimum = _rows(w, ids)
+    fields = {"codes": codes, "scale": scale, "min": minimum}
+    layout = w.layout if len(ids) % TILE == 0 else "gguf"
+    if layout == "tiles":
+        fields = tile_fields(fields, w.bits, xp=jnp)
+    return QWeight(fields["codes"], fields["scale"], fields["min"], bits=w.bits, block=w.block,
+                   transposed=transposed, backend=w.backend, layout=layout)
 
 
 def block_bits(fields: dict) -> tuple[int, int]:

@@ -7,8 +7,8 @@
 
 namespace specsamp {
 
-// 2: AVX-512, 1: AVX2 (with FMA), 0: portable loops. SPECSAMP_ISA=portable|avx2 caps it
-// (the tests run the other paths on an AVX-512 machine this way).
+// 2: AVX-512, 1: AVX2 (with FMA), 0: portable loops. SPECSAMP_ISA=portable|avx2|avx512
+// caps it (the tests run the other paths on an AMX / AVX-512 machine this way).
 inline int isa() {
   static const int level = [] {
     int best = 0;
@@ -23,6 +23,18 @@ inline int isa() {
     return best;
   }();
   return level;
+}
+
+bool amx_available();  // qkernels.cc (amx.h): the CPU has AMX and the OS grants it
+
+// Whether weights may take the tile layout and the tile unit (amx.h): AVX-512, AMX, and
+// SPECSAMP_ISA not capping below it.
+inline bool amx_enabled() {
+  static const bool on = [] {
+    const char* cap = std::getenv("SPECSAMP_ISA");
+    return isa() == 2 && !(cap && *cap && std::strcmp(cap, "amx") != 0) && amx_available();
+  }();
+  return on;
 }
 
 }  // namespace specsamp

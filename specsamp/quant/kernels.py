@@ -63,14 +63,22 @@ def _load() -> str | None:
         for name, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _STATE["isa"] = ISA_NAMES.get(int(lib.specsamp_isa()), "?")
+        _STATE["amx"] = bool(lib.specsamp_amx())
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return f"native quantized kernels unusable ({type(e).__name__}: {e})"
     return None
 
 
 def isa() -> str | None:
-    """'avx512', 'avx2' or 'portable': the vector code the kernels run (None: not loaded)."""
-    return None if load() else _STATE.get("isa")
+    """'amx', 'avx512', 'avx2' or 'portable': the code the kernels run (None: not
+    loaded). 'amx': AVX-512 plus the tile unit, for weights in the tile layout."""
+    return None if load() else ("amx" if _STATE.get("amx") else _STATE.get("isa"))
+
+
+def amx() -> bool:
+    """Whether the kernels run products on AMX tiles (weights then take the tile layout,
+    `specsamp.quant.blocks.to_qweight`). SPECSAMP_ISA=avx512 (or lower) turns it off."""
+    return isa() == "amx"
 
 
 def default_backend() -> str:
@@ -109,11 +117,12 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
     index: the kernel reads the layer in place, so XLA copies nothing."""
     lead, c = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, c).astype(jnp.float32)
-    bits, layer = ws[0].bits, ws[0].layer
+    bits, layer, layout = ws[0].bits, ws[0].layer, ws[0].layout
     operands, outs = [], []
     for w in ws:
-        if w.bits != bits or (w.layer is None) != (layer is None):
-            raise ValueError("one kernel call takes weights of one format, all layer views or none")
+        if w.bits != bits or (w.layer is None) != (layer is None) or w.layout != layout:
+            raise ValueError("one kernel call takes weights of one format and layout, "
+                             "all layer views or none")
         if w.layer is None:
             stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
             codes, scale, minimum = stack(w.codes), stack(w.scale), stack(w.min)
@@ -124,7 +133,8 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
         operands += [codes, scale] + ([minimum] if bits == 4 else [])
         outs.append(jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32))
     index = jnp.int32(0) if layer is None else layer
-    ys = jax.ffi.ffi_call("specsamp_qmatmul", outs)(index, x2, *operands, bits=np.int32(bits))
+    ys = jax.ffi.ffi_call("specsamp_qmatmul", outs)(index, x2, *operands, bits=np.int32(bits),
+                                                    tiles=np.int32(layout == "tiles"))
     return [y.reshape(*lead, w.rows) for y, w in zip(ys, ws)]
 
 

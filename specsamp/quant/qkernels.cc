@@ -35,6 +35,7 @@
 #include "q4gemm.h"
 #define SPECSAMP_X86 1
 #endif
+#include "amx.h"
 
 namespace ffi = xla::ffi;
 
@@ -68,6 +69,7 @@ struct Problem {
   float* y;              // [R, N]
   int64_t rows, cols, n, block;
   bool scale_f32;
+  bool tiles;            // codes, scale, min in the tile layout (amx.h), for the AMX path
   float scale_at(int64_t i) const;
 };
 
@@ -424,16 +426,65 @@ Choice pick(bool q4, int64_t block, int64_t cols, int64_t n, int64_t rows) {
 // input-row-block major, split between the caller and the helpers (parallel.h). With many
 // input rows (prefill: thousands) an item's block of x stays in the core's cache while it
 // sweeps the weights; the other order re-read all of x from memory for every weight chunk.
+#ifdef SPECSAMP_AMX
+// Rows r0..r0+nr-1 (nr <= 8) of outputs n0..n1 (whole groups of 16) on the tile unit.
+void amx_rows(const Problem& p, const specsamp::amx::Limbs& in, int64_t n0, int64_t n1,
+              int64_t r0, int64_t nr) {
+  const bool q4 = p.min != nullptr;
+  const auto* scale = static_cast<const uint16_t*>(p.scale);
+  using specsamp::amx::product;
+  auto call = [&](auto kernel) { kernel(p.codes, scale, p.min, p.cols, p.n, in, r0, p.y, n0 / 16, n1 / 16); };
+  switch (nr) {
+    case 1: return q4 ? call(product<1, true>) : call(product<1, false>);
+    case 2: return q4 ? call(product<2, true>) : call(product<2, false>);
+    case 3: return q4 ? call(product<3, true>) : call(product<3, false>);
+    case 4: return q4 ? call(product<4, true>) : call(product<4, false>);
+    case 5: return q4 ? call(product<5, true>) : call(product<5, false>);
+    case 6: return q4 ? call(product<6, true>) : call(product<6, false>);
+    case 7: return q4 ? call(product<7, true>) : call(product<7, false>);
+    default: return q4 ? call(product<8, true>) : call(product<8, false>);
+  }
+}
+
+// x's rows as limbs for the tile unit (amx.h), once per call, the passes split between
+// the threads. The buffers are the calling thread's, reused by its next calls.
+specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) {
+  const int64_t rows = first.rows, cols = first.cols, nb = cols / 32;
+  const int64_t passes = (rows + specsamp::amx::kRows - 1) / specsamp::amx::kRows;
+  thread_local std::vector<int8_t> limbs;
+  thread_local std::vector<float> sums, scale;
+  limbs.assign(passes * nb * 16 * 32, 0);
+  sums.resize(rows * nb);
+  scale.resize(rows);
+  // (pointers, not the names: a helper thread's `limbs` would be its own thread_local)
+  int8_t* const l = limbs.data();
+  float *const s = sums.data(), *const sc = scale.data();
+  specsamp::parallel_for(pool, passes, [&](int64_t pass) {
+    const int64_t end = std::min(rows, (pass + 1) * specsamp::amx::kRows);
+    for (int64_t r = pass * specsamp::amx::kRows; r < end; ++r)
+      specsamp::amx::prepare_row(first.x + r * cols, cols, l, r, s, sc);
+  });
+  return {l, s, sc};
+}
+#endif
+
 void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   // Output rows per item: 128 for calls of a few rows (decode steps at small batch), where
   // an item is a stream of weights and a longer one keeps each core's prefetching going
   // (whole step at batch 1, alone, 5 interleaved pairs: median 10.1 -> 9.4 ms; 96 and 192
   // were no better), 64 otherwise.
   const int64_t chunk = problems.front().rows < 8 ? 128 : 64;
+  // Weights in the tile layout (all of a call's or none: one format) go to the tile unit
+  // in passes of 4 rows, with x's rows as limbs prepared once for all matrices.
+  const bool tiles = problems.front().tiles;
+#ifdef SPECSAMP_AMX
+  const specsamp::amx::Limbs in = tiles ? prepare_limbs(problems.front(), pool) : specsamp::amx::Limbs{};
+#endif
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
   for (const Problem& p : problems) {
-    firsts.emplace_back(chunks, pick(p.min != nullptr, p.block, p.cols, p.n, p.rows));
+    firsts.emplace_back(chunks, tiles ? Choice{nullptr, specsamp::amx::kMaxRows}
+                                      : pick(p.min != nullptr, p.block, p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
   constexpr int64_t row_block = 60;  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows
@@ -448,8 +499,16 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
     const int64_t n0 = (c - firsts[m].first) * chunk, n1 = std::min(p.n, n0 + chunk);
     const int64_t r_end = std::min(rows, (rb + 1) * row_block);
     if (firsts[m].second.gemm) return firsts[m].second.gemm(p, n0, n1, rb * row_block, r_end);
-    for (int64_t r0 = rb * row_block; r0 < r_end; r0 += pass)
-      kernel(p, n0, n1, r0, std::min<int64_t>(pass, r_end - r0));
+    for (int64_t r0 = rb * row_block; r0 < r_end; r0 += pass) {
+      const int64_t nr = std::min<int64_t>(pass, r_end - r0);
+#ifdef SPECSAMP_AMX
+      if (tiles) {
+        amx_rows(p, in, n0, n1, r0, nr);
+        continue;
+      }
+#endif
+      kernel(p, n0, n1, r0, nr);
+    }
   });
 }
 
@@ -461,7 +520,7 @@ int64_t layer_offset(ffi::Buffer<ffi::S32> layer, int64_t stack, int64_t bytes) 
 
 // One matrix of a call: its operands from `args` at `at` (q4: codes, scale, min; q8:
 // codes, scale), its output `ret`.
-ffi::Error problem(int bits, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+ffi::Error problem(int bits, bool tiles, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                    const ffi::RemainingArgs& args, size_t at, ffi::Result<ffi::AnyBuffer> ret,
                    Problem* p) {
   auto codes_or = args.get<ffi::AnyBuffer>(at), scale_or = args.get<ffi::AnyBuffer>(at + 1),
@@ -492,20 +551,25 @@ ffi::Error problem(int bits, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> 
   if (ret->element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != xd[0] ||
       yd[1] != cd[1])
     return ffi::Error::InvalidArgument("quantized matmul: expected y float32 [R, N]");
+  if (tiles && !(specsamp::amx_enabled() && cd[1] % 16 == 0 && xd[1] / sd[2] == 32 && !f32))
+    return ffi::Error::InvalidArgument(
+        "quantized matmul: the tile layout needs AMX, 16 outputs a group, blocks of 32 and "
+        "float16 scales");
   const int64_t n = cd[1], nb = sd[2], i = layer_offset(layer, cd[0], 1);
   if (i < 0) return ffi::Error::InvalidArgument("quantized matmul: layer index out of range");
   *p = Problem{x.typed_data(),
                static_cast<const uint8_t*>(codes.untyped_data()) + i * n * cd[2],
                static_cast<const char*>(scale.untyped_data()) + i * n * nb * (f32 ? 4 : 2),
                bits == 4 ? static_cast<const uint16_t*>(min.untyped_data()) + i * n * nb : nullptr,
-               static_cast<float*>(ret->untyped_data()), xd[0], xd[1], n, xd[1] / nb, f32};
+               static_cast<float*>(ret->untyped_data()), xd[0], xd[1], n, xd[1] / nb, f32, tiles};
   return ffi::Error::Success();
 }
 
 // y_m = x @ W_m.T for each matrix m of the call (all read at layer `layer` of their stacks):
 // several products of one input (q, k, v; gate, up) in one call, one split of the work.
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                      ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t bits) {
+                      ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t bits,
+                      int32_t tiles) {
   const size_t per = bits == 4 ? 3 : bits == 8 ? 2 : 0;
   if (per == 0 || args.size() != per * rets.size() || rets.size() == 0)
     return ffi::Error::InvalidArgument(
@@ -514,7 +578,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   for (size_t m = 0; m < rets.size(); ++m) {
     auto ret = rets.get<ffi::AnyBuffer>(m);
     if (ret.has_error()) return ret.error();
-    if (auto e = problem(bits, layer, x, args, m * per, ret.value(), &problems[m]); e.failure())
+    if (auto e = problem(bits, tiles != 0, layer, x, args, m * per, ret.value(), &problems[m]);
+        e.failure())
       return e;
   }
   run(problems, pool);
@@ -530,6 +595,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQMatmul, MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int32_t>("bits"));
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("tiles"));
 
 extern "C" int specsamp_isa() { return specsamp::isa(); }
+extern "C" int specsamp_amx() { return specsamp::amx_enabled() ? 1 : 0; }
+
+bool specsamp::amx_available() {
+#ifdef SPECSAMP_AMX
+  return specsamp::amx::available();
+#else
+  return false;
+#endif
+}

@@ -1,0 +1,259 @@
+// Quantized products on AMX (Intel's tile unit: 16 x 64-byte tiles, int8 products summed
+// into int32), for weights in the tile layout (`specsamp.quant.blocks`, layout "tiles").
+//
+// Why: on the AVX-512 path every row of x costs two FMAs per 32 weights, so scoring K + 1
+// tokens costs each further row ~15% of a step, and at one row the decoding of the codes
+// (not the memory) bounds the step. A tile product takes 16 outputs x 32 inputs x up to 16
+// rows in one instruction, so further rows cost almost nothing, and the codes go to the tile
+// unit as bytes, with no conversion to float.
+//
+// The numbers: x's rows stay float32 in meaning. Each row r is written exactly as
+// s_r * X_r with s_r a power of two and X_r integers below 2^30 in magnitude (the only
+// rounding: X = round(x / s_r), an absolute error of at most 2^-31 of the row's largest
+// |x|, far below float32's own rounding of the sums), and X as four signed bytes
+// X = l0 + 2^8 l1 + 2^16 l2 + 2^24 l3 (limbs). The tile unit sums code x limb over a block
+// of 32 inputs exactly (int32); per block and output the float accumulator takes
+// scale * that sum, per limb, and the limbs and s_r are combined at the end:
+//   y[r, n] = s_r * sum_l 2^(8 l) sum_b d[n, b] C_l[r, n, b]  (+ sum_b m[n, b] S[r, b], Q4_1)
+// where S[r, b] is the float sum of x's inputs in block b. Every row is computed alone
+// (its own s_r, its own accumulators, the same order), so K + 1 rows give the numbers of
+// K + 1 single steps, as on the other paths.
+//
+// Tile layout (a permutation of the GGUF bytes, the same size): for each group g of 16
+// output rows and block b of 32 inputs, the bytes a tile row needs are contiguous.
+//   q4: codes [N/16, nb, 4, 16, 4] bytes: [g, b, k, j, i] = GGUF byte 4 k + i of output
+//       16 g + j's block b (low nibble: input 4 k + i, high: input 16 + 4 k + i), so the
+//       low nibbles of the 256 bytes are the tile's first 4 rows and the high ones the last
+//       4; scale and min [N/16, nb, 16] float16.
+//   q8: codes [N/16, nb, 8, 16, 4] int8 (input 4 k + i of output 16 g + j): the tile itself;
+//       scale [N/16, nb, 16] float16.
+//
+// The tile instructions are written as inline assembly with memory operands declared (the
+// compiler's own AMX intrinsics do not tell it that a tile load reads memory).
+
+#pragma once
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define SPECSAMP_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace specsamp::amx {
+
+// Whether the CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use the tile
+// data (asked once; Linux grants it per process).
+inline bool available() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+#define SPECSAMP_TILE_LOAD(t, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory")
+#define SPECSAMP_TILE_STORE(t, base, stride) \
+  __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
+#define SPECSAMP_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+// c += a (signed bytes) x b (unsigned / signed bytes)
+#define SPECSAMP_TILE_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define SPECSAMP_TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: sums [rows, 16 outputs] int32; 2, 3: limbs [rows, 32 inputs]; 4, 5: codes
+// [8 rows of 4 inputs, 16 outputs x 4]. `m0`, `m1`: the rows of tiles 0 / 2 and 1 / 3
+// (the same for up to 4 rows of x: two blocks in flight; else rows 0-3 and 4-7 of x).
+inline void configure(int m0, int m1) {
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) {
+    const int m = t ? m1 : m0;
+    cfg.rows[t] = m, cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = m, cfg.colsb[2 + t] = 32;
+    cfg.rows[4 + t] = 8, cfg.colsb[4 + t] = 64;
+  }
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+inline void release() { __asm__ volatile("tilerelease" ::); }
+
+constexpr int kRows = 4;   // rows of x per tile: 4 limbs each fill its 16 rows
+constexpr int kMaxRows = 8;  // rows of x per pass over the weights: two tiles
+constexpr int kPrefetchBlocks = 8;
+
+// x [rows, cols] as limbs for the tiles: limbs [passes][nb][16][32] (pass p holds rows
+// 4p..4p+3, row 4 r' + l = limb l of its row r'), sums [rows][nb], scale [rows].
+struct Limbs {
+  const int8_t* limbs;
+  const float* sums;
+  const float* scale;
+};
+
+__attribute__((target("avx512f,avx512bw")))
+inline void prepare_row(const float* x, int64_t cols, int8_t* limbs, int64_t r, float* sums,
+                        float* scale) {
+  const int64_t nb = cols / 32;
+  __m512 mx = _mm512_setzero_ps(), finite = _mm512_setzero_ps();  // (x * 0: nan if x is not)
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    finite = _mm512_fmadd_ps(v, _mm512_setzero_ps(), finite);
+  }
+  alignas(64) float lanes[16], checks[16];
+  _mm512_store_ps(lanes, mx);
+  _mm512_store_ps(checks, finite);
+  float top = 0, check = 0;
+  for (int i = 0; i < 16; ++i) top = std::max(top, lanes[i]), check += checks[i];
+  int e = 0;
+  if (top > 0 && std::isfinite(top)) std::frexp(top, &e);  // top < 2^e
+  const int k = 30 - e;                                      // |x| 2^k < 2^30
+  // A row with an inf or nan gives nan outputs (as the float path would give inf or nan).
+  scale[r] = std::isnan(check) ? check : std::ldexp(1.0f, -k);
+  const __m512 shift = _mm512_set1_ps(static_cast<float>(k));
+  int8_t* base = limbs + (r / kRows) * nb * 16 * 32 + (r % kRows) * 4 * 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 s = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m512 v = _mm512_loadu_ps(x + b * 32 + h * 16);
+      s = _mm512_add_ps(s, v);
+      __m512i big = _mm512_cvtps_epi32(_mm512_scalef_ps(v, shift));  // exact: x 2^k, rounded
+      for (int l = 0; l < 4; ++l) {
+        const __m512i limb = _mm512_srai_epi32(_mm512_slli_epi32(big, 24), 24);  // in [-128, 127]
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(base + b * 16 * 32 + l * 32 + h * 16),
+                         _mm512_cvtepi32_epi8(limb));
+        big = _mm512_srai_epi32(_mm512_sub_epi32(big, limb), 8);
+      }
+    }
+    sums[r * nb + b] = _mm512_reduce_add_ps(s);
+  }
+}
+
+// A tile's stored sums (4 limb rows per row of x) into the rows' accumulators: per row
+// the limbs in pairs, lo = C0 + 2^8 C1 and hi = C2 + 2^8 C3, exact in int32 (and in float
+// for q4: |C| <= 32 x 15 x 128, so |lo| < 2^24; q8's are rounded to float32, as its
+// float sums would be), then 2^16 hi + lo, times the block's scales.
+template <int Count>
+__attribute__((target("avx512f,fma")))
+inline void accumulate(const int32_t (*sums)[16], __m512 d, __m512* acc) {
+  for (int r = 0; r < Count; ++r) {
+    const __m512i lo = _mm512_add_epi32(_mm512_load_si512(sums[4 * r]),
+                                        _mm512_slli_epi32(_mm512_load_si512(sums[4 * r + 1]), 8));
+    const __m512i hi = _mm512_add_epi32(_mm512_load_si512(sums[4 * r + 2]),
+                                        _mm512_slli_epi32(_mm512_load_si512(sums[4 * r + 3]), 8));
+    const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
+                                         _mm512_cvtepi32_ps(lo));
+    acc[r] = _mm512_fmadd_ps(block, d, acc[r]);
+  }
+}
+
+// Outputs of groups g0..g1 (16 each) for rows r0..r0+R-1 (R <= 8) of a q4 (bits 4) or q8
+// matrix in the tile layout; y [*, n] float32.
+template <int R, bool Q4>
+__attribute__((target("avx512f,avx512bw,f16c,fma")))
+void product(const uint8_t* codes, const uint16_t* scale, const uint16_t* minimum, int64_t cols,
+             int64_t n, const Limbs& in, int64_t r0, float* y, int64_t g0, int64_t g1) {
+  static_assert(R >= 1 && R <= kMaxRows);
+  constexpr bool two = R > kRows;  // two tiles of rows per block (else two blocks in flight)
+  constexpr int R0 = two ? kRows : R, R1 = two ? R - kRows : R;
+  const int64_t nb = cols / 32;
+  constexpr int64_t kGroupBytes = Q4 ? 256 : 512;
+  alignas(64) uint8_t unpacked[2][512];
+  alignas(64) int32_t sums[2][16][16];
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* a = in.limbs + (r0 / kRows) * nb * 16 * 32;  // this pass's first tile of rows
+  configure(4 * R0, 4 * R1);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+    // Block b's codes to tile TB (q4: nibbles to bytes via `unpacked[P]`), its scales
+    // (and minimums) as vectors d, mn.
+#define SPECSAMP_AMX_CODES(b, P, TB)                                                              \
+    const int64_t at = g * nb + (b);                                                              \
+    const uint8_t* src = codes + at * kGroupBytes;                                                \
+    for (int64_t off = 0; off < kGroupBytes; off += 64)                                           \
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBlocks * kGroupBytes + off), _MM_HINT_T0); \
+    if constexpr (Q4) {                                                                           \
+      for (int i = 0; i < 4; ++i) {                                                               \
+        const __m512i v = _mm512_loadu_si512(src + 64 * i);                                       \
+        _mm512_store_si512(unpacked[P] + 64 * i, _mm512_and_si512(v, low));                       \
+        _mm512_store_si512(unpacked[P] + 256 + 64 * i, _mm512_and_si512(_mm512_srli_epi16(v, 4), low)); \
+      }                                                                                           \
+      SPECSAMP_TILE_LOAD(TB, unpacked[P], 64);                                                    \
+    } else {                                                                                      \
+      SPECSAMP_TILE_LOAD(TB, src, 64);                                                            \
+    }                                                                                             \
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at * 16))); \
+    if constexpr (Q4) {                                                                           \
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + at * 16))); \
+      for (int r = 0; r < R; ++r)                                                                 \
+        accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(in.sums[(r0 + r) * nb + (b)]), accm[r]);   \
+    }
+    // Tile TC = limbs (tile TA, from `rows`) x codes (tile TB), stored to sums[S].
+#define SPECSAMP_AMX_SUMS(TC, TA, TB, rows, S)                                                    \
+    SPECSAMP_TILE_LOAD(TA, rows, 32);                                                             \
+    SPECSAMP_TILE_ZERO(TC);                                                                       \
+    if constexpr (Q4) SPECSAMP_TILE_DPBSUD(TC, TA, TB);                                           \
+    else SPECSAMP_TILE_DPBSSD(TC, TA, TB);                                                        \
+    SPECSAMP_TILE_STORE(TC, sums[S], 64);
+    if constexpr (!two) {
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        {
+          SPECSAMP_AMX_CODES(b, 0, 4)
+          SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
+          accumulate<R>(sums[0], d, acc);
+        }
+        {
+          SPECSAMP_AMX_CODES(b + 1, 1, 5)
+          SPECSAMP_AMX_SUMS(1, 3, 5, a + (b + 1) * 16 * 32, 1)
+          accumulate<R>(sums[1], d, acc);
+        }
+      }
+      if (b < nb) {
+        SPECSAMP_AMX_CODES(b, 0, 4)
+        SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
+        accumulate<R>(sums[0], d, acc);
+      }
+    } else {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int P = b & 1;
+        if (P == 0) {
+          SPECSAMP_AMX_CODES(b, 0, 4)
+          SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
+          SPECSAMP_AMX_SUMS(1, 3, 4, a + (nb + b) * 16 * 32, 1)
+          accumulate<R0>(sums[0], d, acc);
+          accumulate<R1>(sums[1], d, acc + kRows);
+        } else {
+          SPECSAMP_AMX_CODES(b, 1, 5)
+          SPECSAMP_AMX_SUMS(0, 2, 5, a + b * 16 * 32, 0)
+          SPECSAMP_AMX_SUMS(1, 3, 5, a + (nb + b) * 16 * 32, 1)
+          accumulate<R0>(sums[0], d, acc);
+          accumulate<R1>(sums[1], d, acc + kRows);
+        }
+      }
+    }
+#undef SPECSAMP_AMX_CODES
+#undef SPECSAMP_AMX_SUMS
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(y + (r0 + r) * n + g * 16,
+                       _mm512_fmadd_ps(acc[r], _mm512_set1_ps(in.scale[r0 + r]), accm[r]));
+  }
+  release();
+}
+
+}  // namespace specsamp::amx
+#endif
