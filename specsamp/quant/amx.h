@@ -44,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace specsamp::amx {
 
@@ -75,17 +76,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0, 1: sums [rows, 16 outputs] int32; 2, 3: limbs [rows, 32 inputs]; 4, 5: codes
+// Tiles 0, 1: sums [rows, 16 outputs] int32; 2, 3: limbs [rows, 32 inputs]; 4: codes
 // [8 rows of 4 inputs, 16 outputs x 4]. `m0`, `m1`: the rows of tiles 0 / 2 and 1 / 3
-// (the same for up to 4 rows of x: two blocks in flight; else rows 0-3 and 4-7 of x).
+// (rows 0-3 and 4-7 of a pass of x, 4 limbs each).
 inline void configure(int m0, int m1) {
   TileConfig cfg;
   for (int t = 0; t < 2; ++t) {
     const int m = t ? m1 : m0;
     cfg.rows[t] = m, cfg.colsb[t] = 64;
     cfg.rows[2 + t] = m, cfg.colsb[2 + t] = 32;
-    cfg.rows[4 + t] = 8, cfg.colsb[4 + t] = 64;
   }
+  cfg.rows[4] = 8, cfg.colsb[4] = 64;
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
@@ -94,6 +95,7 @@ inline void release() { __asm__ volatile("tilerelease" ::); }
 constexpr int kRows = 4;   // rows of x per tile: 4 limbs each fill its 16 rows
 constexpr int kMaxRows = 8;  // rows of x per pass over the weights: two tiles
 constexpr int kPrefetchBlocks = 8;
+constexpr int kAhead = 4;  // q4 blocks unpacked ahead of their tile load
 
 // x [rows, cols] as limbs for the tiles: limbs [passes][nb][16][32] (pass p holds rows
 // 4p..4p+3, row 4 r' + l = limb l of its row r'), sums [rows][nb], scale [rows].
@@ -162,92 +164,84 @@ inline void accumulate(const int32_t (*sums)[16], __m512 d, __m512* acc) {
 
 // Outputs of groups g0..g1 (16 each) for rows r0..r0+R-1 (R <= 8) of a q4 (bits 4) or q8
 // matrix in the tile layout; y [*, n] float32.
+//
+// Software-pipelined: a tile load does not take bytes from stores still in flight, nor a
+// vector load sums from a tile store; it waits until the store has left the core, and in
+// one chain per block those waits added up. So q4 codes are unpacked (nibbles to bytes)
+// kAhead blocks ahead of their tile load, and the sums of block b are scaled into the
+// accumulators after block b + 1 went to the tile unit.
 template <int R, bool Q4>
 __attribute__((target("avx512f,avx512bw,f16c,fma")))
 void product(const uint8_t* codes, const uint16_t* scale, const uint16_t* minimum, int64_t cols,
              int64_t n, const Limbs& in, int64_t r0, float* y, int64_t g0, int64_t g1) {
   static_assert(R >= 1 && R <= kMaxRows);
-  constexpr bool two = R > kRows;  // two tiles of rows per block (else two blocks in flight)
-  constexpr int R0 = two ? kRows : R, R1 = two ? R - kRows : R;
+  constexpr bool two = R > kRows;  // rows 4-7 in a second tile of limbs and sums
+  constexpr int R0 = two ? kRows : R, R1 = two ? R - kRows : 0;
   const int64_t nb = cols / 32;
   constexpr int64_t kGroupBytes = Q4 ? 256 : 512;
-  alignas(64) uint8_t unpacked[2][512];
-  alignas(64) int32_t sums[2][16][16];
+  // q4: blocks unpacked kAhead blocks (in group order) before their tile load, in a ring
+  alignas(64) uint8_t unpacked[2 * kAhead][512];
+  alignas(64) int32_t sums[2][2][16][16];  // [block parity][tile]
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* a = in.limbs + (r0 / kRows) * nb * 16 * 32;  // this pass's first tile of rows
-  configure(4 * R0, 4 * R1);
+  const int64_t steps = (g1 - g0) * nb;  // (group, block) in order; codes are contiguous
+  const uint8_t* first = codes + g0 * nb * kGroupBytes;
+  auto unpack = [&](int64_t t) __attribute__((target("avx512f,avx512bw"))) {
+    const uint8_t* src = first + t * kGroupBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBlocks * kGroupBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBlocks * kGroupBytes + 128), _MM_HINT_T0);
+    uint8_t* out = unpacked[t % (2 * kAhead)];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(src + 64 * i);
+      _mm512_store_si512(out + 64 * i, _mm512_and_si512(v, low));
+      _mm512_store_si512(out + 256 + 64 * i, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  };
+  if constexpr (Q4)
+    for (int64_t t = 0; t < std::min<int64_t>(kAhead, steps); ++t) unpack(t);
+  configure(4 * R0, 4 * (two ? R1 : R0));
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
-    // Block b's codes to tile TB (q4: nibbles to bytes via `unpacked[P]`), its scales
-    // (and minimums) as vectors d, mn.
-#define SPECSAMP_AMX_CODES(b, P, TB)                                                              \
-    const int64_t at = g * nb + (b);                                                              \
-    const uint8_t* src = codes + at * kGroupBytes;                                                \
-    for (int64_t off = 0; off < kGroupBytes; off += 64)                                           \
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBlocks * kGroupBytes + off), _MM_HINT_T0); \
-    if constexpr (Q4) {                                                                           \
-      for (int i = 0; i < 4; ++i) {                                                               \
-        const __m512i v = _mm512_loadu_si512(src + 64 * i);                                       \
-        _mm512_store_si512(unpacked[P] + 64 * i, _mm512_and_si512(v, low));                       \
-        _mm512_store_si512(unpacked[P] + 256 + 64 * i, _mm512_and_si512(_mm512_srli_epi16(v, 4), low)); \
-      }                                                                                           \
-      SPECSAMP_TILE_LOAD(TB, unpacked[P], 64);                                                    \
-    } else {                                                                                      \
-      SPECSAMP_TILE_LOAD(TB, src, 64);                                                            \
-    }                                                                                             \
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at * 16))); \
-    if constexpr (Q4) {                                                                           \
-      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + at * 16))); \
-      for (int r = 0; r < R; ++r)                                                                 \
-        accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(in.sums[(r0 + r) * nb + (b)]), accm[r]);   \
+    auto scale_in = [&](int64_t b) __attribute__((target("avx512f,f16c,fma"))) {
+      // block b's stored sums, times its scales
+      const int64_t at = g * nb + b;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at * 16)));
+      accumulate<R0>(sums[b & 1][0], d, acc);
+      if constexpr (two) accumulate<R1>(sums[b & 1][1], d, acc + kRows);
+      if constexpr (Q4) {
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + at * 16)));
+        for (int r = 0; r < R; ++r)
+          accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(in.sums[(r0 + r) * nb + b]), accm[r]);
+      }
+    };
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t t = (g - g0) * nb + b;
+      if constexpr (Q4) {
+        SPECSAMP_TILE_LOAD(4, unpacked[t % (2 * kAhead)], 64);
+      } else {
+        const uint8_t* src = codes + (g * nb + b) * kGroupBytes;
+        for (int64_t off = 0; off < kGroupBytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBlocks * kGroupBytes + off), _MM_HINT_T0);
+        SPECSAMP_TILE_LOAD(4, src, 64);
+      }
+      SPECSAMP_TILE_LOAD(2, a + b * 16 * 32, 32);
+      SPECSAMP_TILE_ZERO(0);
+      if constexpr (Q4) SPECSAMP_TILE_DPBSUD(0, 2, 4);
+      else SPECSAMP_TILE_DPBSSD(0, 2, 4);
+      SPECSAMP_TILE_STORE(0, sums[b & 1][0], 64);
+      if constexpr (two) {
+        SPECSAMP_TILE_LOAD(3, a + (nb + b) * 16 * 32, 32);
+        SPECSAMP_TILE_ZERO(1);
+        if constexpr (Q4) SPECSAMP_TILE_DPBSUD(1, 3, 4);
+        else SPECSAMP_TILE_DPBSSD(1, 3, 4);
+        SPECSAMP_TILE_STORE(1, sums[b & 1][1], 64);
+      }
+      if constexpr (Q4)
+        if (t + kAhead < steps) unpack(t + kAhead);
+      if (b > 0) scale_in(b - 1);
     }
-    // Tile TC = limbs (tile TA, from `rows`) x codes (tile TB), stored to sums[S].
-#define SPECSAMP_AMX_SUMS(TC, TA, TB, rows, S)                                                    \
-    SPECSAMP_TILE_LOAD(TA, rows, 32);                                                             \
-    SPECSAMP_TILE_ZERO(TC);                                                                       \
-    if constexpr (Q4) SPECSAMP_TILE_DPBSUD(TC, TA, TB);                                           \
-    else SPECSAMP_TILE_DPBSSD(TC, TA, TB);                                                        \
-    SPECSAMP_TILE_STORE(TC, sums[S], 64);
-    if constexpr (!two) {
-      int64_t b = 0;
-      for (; b + 2 <= nb; b += 2) {
-        {
-          SPECSAMP_AMX_CODES(b, 0, 4)
-          SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
-          accumulate<R>(sums[0], d, acc);
-        }
-        {
-          SPECSAMP_AMX_CODES(b + 1, 1, 5)
-          SPECSAMP_AMX_SUMS(1, 3, 5, a + (b + 1) * 16 * 32, 1)
-          accumulate<R>(sums[1], d, acc);
-        }
-      }
-      if (b < nb) {
-        SPECSAMP_AMX_CODES(b, 0, 4)
-        SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
-        accumulate<R>(sums[0], d, acc);
-      }
-    } else {
-      for (int64_t b = 0; b < nb; ++b) {
-        const int P = b & 1;
-        if (P == 0) {
-          SPECSAMP_AMX_CODES(b, 0, 4)
-          SPECSAMP_AMX_SUMS(0, 2, 4, a + b * 16 * 32, 0)
-          SPECSAMP_AMX_SUMS(1, 3, 4, a + (nb + b) * 16 * 32, 1)
-          accumulate<R0>(sums[0], d, acc);
-          accumulate<R1>(sums[1], d, acc + kRows);
-        } else {
-          SPECSAMP_AMX_CODES(b, 1, 5)
-          SPECSAMP_AMX_SUMS(0, 2, 5, a + b * 16 * 32, 0)
-          SPECSAMP_AMX_SUMS(1, 3, 5, a + (nb + b) * 16 * 32, 1)
-          accumulate<R0>(sums[0], d, acc);
-          accumulate<R1>(sums[1], d, acc + kRows);
-        }
-      }
-    }
-#undef SPECSAMP_AMX_CODES
-#undef SPECSAMP_AMX_SUMS
+    scale_in(nb - 1);
     for (int r = 0; r < R; ++r)
       _mm512_storeu_ps(y + (r0 + r) * n + g * 16,
                        _mm512_fmadd_ps(acc[r], _mm512_set1_ps(in.scale[r0 + r]), accm[r]));
