@@ -98,12 +98,13 @@ class CostCurve:
 
 
 def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
-    from specsamp.quant.kernels import library_digest
+    from specsamp.quant.kernels import isa, library_digest
 
     drafter = engine.prog.drafter
-    # the native kernels' build too: a rebuilt (faster or slower) kernel changes every cost
+    # the native kernels' build and the code they run too (SPECSAMP_ISA may cap it): a
+    # rebuilt or capped kernel changes every cost
     ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
-                  library_digest(), engine.prog.target,
+                  library_digest(), isa(), engine.prog.target,
                   drafter.with_k(1) if drafter is not None else None,
                   batch, slots, sorted(tokens)))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
