@@ -250,5 +250,10 @@ class FeatureDrafter:
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
             return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
-        draft, p, cache = _chain(_drawer(self.sampling, keys), head, feed, g, fs.cache, self.k)
+        draw = _drawer(self.sampling, keys)
+        if self.sampling.greedy:  # the argmax straight from a reduced head's logits
+            vocab = self.cfg.vocab_size
+            head = lambda g: model.greedy_tokens(params, g)[:, 0]
+            draw = lambda tok, i: (tok, jax.nn.one_hot(tok, vocab, dtype=jnp.float32))
+        draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))

@@ -84,6 +84,16 @@ class FeatureModel:
     def logits(self, params, g):
         return draft_logits(self.cfg, params, g)
 
+    def greedy_tokens(self, params, g):
+        """The argmax token [...] of the draft's logits (first index on ties), without the
+        full-vocabulary logits where the head is reduced: its ids are sorted, so the first
+        of equal reduced logits is the first in vocabulary order, as over `logits`."""
+        from specsamp.decoding.sampling import first_argmax
+
+        if "head_ids" not in params:
+            return first_argmax(self.logits(params, g))
+        return params["head_ids"][first_argmax(head_product(g, params["head"]["kernel"]))]
+
 
 def module_params(params):
     """The parameters FeatureDraft itself declares (without the reduced head)."""
@@ -110,10 +120,11 @@ def head_product(g, kernel):
 
 
 def reduced_head(target_cfg: ModelConfig, target_params, head_ids):
-    """{'head_ids', 'head'} for the given token ids, from the target's head rows."""
+    """{'head_ids', 'head'} for the given token ids (sorted: `FeatureModel.greedy_tokens`
+    relies on it), from the target's head rows."""
     from specsamp.models.model import Model
 
-    ids = jnp.asarray(head_ids, jnp.int32)
+    ids = jnp.sort(jnp.asarray(head_ids, jnp.int32))
     return {"head_ids": ids, "head": {"kernel": Model(target_cfg).head_rows(target_params, ids).T}}
 
 
