@@ -89,3 +89,31 @@ def test_auto_picks_the_shipped_draft_only_for_the_embedded_target():
     assert os.path.getsize(os.path.join(resolve("smollm2-feature"), "model.safetensors")) < 20e6
     with open(manifest) as f:
         assert json.load(f)["kind"] == "feature"
+
+
+def test_padded_reduced_head_proposes_the_same():
+    """Catches a padding of the reduced head (to whole groups of 16 rows, as loading for
+    decoding does) or a greedy shortcut that changes the draft: full-vocabulary logits,
+    greedy tokens and the shortcut's tokens are the same with and without the padding, and
+    the ids come sorted whatever order they were given in."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specsamp.models.feature_draft import FeatureModel, draft_logits, reduced_head
+    from specsamp.decoding.sampling import first_argmax
+    from tests import tiny
+
+    cfg, params = tiny.feature_draft()
+    ids = [6, 0, 3, 5, 2]
+    plain = {**params, **reduced_head(tiny.TARGET, tiny.target_params(), ids)}
+    padded = {**params, **reduced_head(tiny.TARGET, tiny.target_params(), ids, pad=True)}
+    assert list(np.asarray(plain["head_ids"])) == sorted(ids)
+    assert padded["head_ids"].shape == (16,) and int(padded["head_ids"][-1]) == 6
+    g = jax.random.normal(jax.random.PRNGKey(0), (7, cfg.d_model))
+    want = np.asarray(draft_logits(cfg, plain, g))
+    np.testing.assert_array_equal(np.asarray(draft_logits(cfg, padded, g)), want)
+    tokens = np.asarray(first_argmax(jnp.asarray(want)))
+    for p in (plain, padded):
+        np.testing.assert_array_equal(np.asarray(FeatureModel(cfg).greedy_tokens(p, g)), tokens)
+    assert set(tokens) <= set(ids)

@@ -119,12 +119,19 @@ def head_product(g, kernel):
     return jnp.einsum("...d,dn->...n", g, kernel).astype(jnp.float32)
 
 
-def reduced_head(target_cfg: ModelConfig, target_params, head_ids):
-    """{'head_ids', 'head'} for the given token ids (sorted: `FeatureModel.greedy_tokens`
-    relies on it), from the target's head rows."""
+def reduced_head(target_cfg: ModelConfig, target_params, head_ids, pad: bool = False):
+    """{'head_ids', 'head'} for the given token ids, from the target's head rows. The ids
+    are sorted (`FeatureModel.greedy_tokens` relies on it). pad (for decoding, never for
+    training, whose softmax is over the reduced head): pad them to a multiple of 16 by
+    repeating the last one, as the quantized kernels take whole groups of 16 rows on their
+    fastest path; a repeated id has the same row, so the same logit, which lands on the same
+    token of the full vocabulary, and the first of equal logits wins an argmax: the draft's
+    tokens and distribution do not change."""
     from specsamp.models.model import Model
 
     ids = jnp.sort(jnp.asarray(head_ids, jnp.int32))
+    if pad:
+        ids = jnp.concatenate([ids, jnp.repeat(ids[-1:], -ids.shape[0] % 16)])
     return {"head_ids": ids, "head": {"kernel": Model(target_cfg).head_rows(target_params, ids).T}}
 
 
@@ -233,7 +240,7 @@ def load_feature_draft(path: str, target):
         if name in target.params:
             params[name] = target.params[name]
     if "head_ids" in params:
-        params.update(reduced_head(tc, target.params, params["head_ids"]))
+        params.update(reduced_head(tc, target.params, params["head_ids"], pad=True))
     if getattr(target, "weights", "float32") != "float32":
         params = _compact(params, tc, target.params)
     return tc.truncated(int(manifest["n_layers"])), params
