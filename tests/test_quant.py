@@ -198,7 +198,7 @@ def test_kernels_on_other_instruction_sets(isa):
     assert probe.stdout.strip() == isa, probe.stderr[-2000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_matches or rows_independent or several_matrices or layer_view"],
+         "-k", "kernel_matches or rows_independent or several_matrices or layer_view or argmax"],
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
@@ -244,3 +244,29 @@ def test_tile_path_where_amx():
     assert qweight(fields, "xla").layout == "gguf"
     odd = from_gguf_blocks(random_blocks("Q8_0", 40, 64), "Q8_0", 40, 64)
     assert qweight(odd, "cpu").layout == "gguf"
+
+
+@pytest.mark.parametrize("v", [5, 16, 37, 49152])
+def test_native_argmax_is_first_argmax(v):
+    """Catches a kernel argmax that differs from the XLA one greedy decoding used before:
+    first index on ties (within a vector's lanes, across lanes and in the tail), -inf rows,
+    leading axes, a NaN row giving V - 1; and `first_argmax` takes the kernel for a real
+    vocabulary here."""
+    _kernel_or_skip()
+    from specsamp.decoding import sampling
+
+    rng = np.random.default_rng(v)
+    x = rng.normal(size=(6, v)).astype(np.float32)
+    x[0] = np.round(x[0])  # many ties
+    x[1] = -np.inf
+    x[2, v // 2] = np.nan
+    x[3, [v - 1, 0]] = 50.0  # the first of two maxima, at both ends
+    x[4, [v // 3, v - 1]] = 60.0
+    x = jnp.asarray(x.reshape(2, 3, v))
+    got = np.asarray(jax.jit(kernels.argmax)(x)).ravel()
+    want = np.asarray(sampling.xla_first_argmax(x)).ravel()
+    # (XLA's answer for the NaN row depends on its reduction: NaN-propagating or not)
+    np.testing.assert_array_equal(got[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]])
+    np.testing.assert_array_equal(got[[1, 2, 3, 4]], [0, v - 1, 0, v // 3])
+    if v >= sampling.NATIVE_ARGMAX_FROM and jax.device_count() == 1:
+        assert "specsamp_argmax" in jax.jit(sampling.first_argmax).lower(x).as_text()

@@ -21,7 +21,8 @@ import numpy as np
 
 _LOCK = threading.Lock()
 _STATE: dict = {}
-_TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend"}
+_TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend",
+            "specsamp_argmax": "SpecsampArgmax"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -136,6 +137,16 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
     ys = jax.ffi.ffi_call("specsamp_qmatmul", outs)(index, x2, *operands, bits=np.int32(bits),
                                                     tiles=np.int32(layout == "tiles"))
     return [y.reshape(*lead, w.rows) for y, w in zip(ys, ws)]
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """x [..., V] -> [...] int32: the first index of each row's largest value (V - 1 for a
+    row holding a NaN), on the kernel: what `sampling.first_argmax` computes in XLA."""
+    lead, v = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, v).astype(jnp.float32)
+    out = jax.ffi.ffi_call("specsamp_argmax", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32),
+                           vmap_method="broadcast_all")(rows)
+    return out.reshape(lead)
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float):

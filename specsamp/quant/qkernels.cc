@@ -586,7 +586,78 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   return ffi::Error::Success();
 }
 
+// ---- argmax over a row of logits (greedy tokens): the first index of the largest value,
+// V - 1 for a row holding a NaN (as `specsamp.decoding.sampling.first_argmax` computes it
+// in XLA, where max, compare and min over a 49,152-token vocabulary took ~0.3 ms a row).
+int32_t argmax_portable(const float* x, int64_t v) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < v; ++i) {
+    if (std::isnan(x[i])) return static_cast<int32_t>(v - 1);
+    if (x[i] > x[best]) best = i;
+  }
+  return static_cast<int32_t>(best);
+}
+
+#ifdef SPECSAMP_X86
+__attribute__((target("avx512f")))
+int32_t argmax_avx512(const float* x, int64_t v) {  // v >= 16
+  __m512 best = _mm512_loadu_ps(x);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  int64_t i = 16;
+  for (; i + 16 <= v; i += 16) {  // per lane: the first index of its largest value
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    idx = _mm512_add_epi32(idx, step);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    const __mmask16 up = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, up, xv);
+    at = _mm512_mask_mov_epi32(at, up, idx);
+  }
+  if (nan) return static_cast<int32_t>(v - 1);
+  alignas(64) float values[16];
+  alignas(64) int32_t where[16];
+  _mm512_store_ps(values, best);
+  _mm512_store_si512(where, at);
+  int32_t found = where[0];
+  float top = values[0];
+  for (int l = 1; l < 16; ++l)
+    if (values[l] > top || (values[l] == top && where[l] < found)) top = values[l], found = where[l];
+  for (; i < v; ++i) {  // the tail, after every vector's index
+    if (std::isnan(x[i])) return static_cast<int32_t>(v - 1);
+    if (x[i] > top) top = x[i], found = static_cast<int32_t>(i);
+  }
+  return found;
+}
+#endif
+
+ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto d = x.dimensions();
+  if (d.size() != 2 || d[1] < 1 || out->dimensions().size() != 1 || out->dimensions()[0] != d[0])
+    return ffi::Error::InvalidArgument("argmax: expected x float32 [R, V >= 1], out int32 [R]");
+  const int64_t rows = d[0], v = d[1];
+  const float* xs = x.typed_data();
+  int32_t* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+#ifdef SPECSAMP_X86
+    if (specsamp::isa() == 2 && v >= 16) {
+      ys[r] = argmax_avx512(xs + r * v, v);
+      return;
+    }
+#endif
+    ys[r] = argmax_portable(xs + r * v, v);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampArgmax, ArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
