@@ -29,11 +29,12 @@
 //       scale [N/16, nb, 16] float16.
 //
 // The tile instructions are written as inline assembly with memory operands declared (the
-// compiler's own AMX intrinsics do not tell it that a tile load reads memory).
+// compiler's own AMX intrinsics do not tell it that a tile load reads memory); assembling
+// them needs binutils 2.36 or later. Building with -DSPECSAMP_NO_AMX leaves the path out.
 
 #pragma once
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(SPECSAMP_NO_AMX)
 #define SPECSAMP_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>

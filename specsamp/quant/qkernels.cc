@@ -466,6 +466,9 @@ specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) 
   });
   return {l, s, sc};
 }
+constexpr int64_t kTileRows = specsamp::amx::kMaxRows;  // rows of x per pass on the tiles
+#else
+constexpr int64_t kTileRows = 1;  // (no tile path in this build: `problem` refuses tiles)
 #endif
 
 void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
@@ -483,7 +486,7 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
   for (const Problem& p : problems) {
-    firsts.emplace_back(chunks, tiles ? Choice{nullptr, specsamp::amx::kMaxRows}
+    firsts.emplace_back(chunks, tiles ? Choice{nullptr, kTileRows}
                                       : pick(p.min != nullptr, p.block, p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
