@@ -70,6 +70,9 @@ struct Problem {
   int64_t rows, cols, n, block;
   bool scale_f32;
   bool tiles;            // codes, scale, min in the tile layout (amx.h), for the AMX path
+#ifdef SPECSAMP_AMX
+  const specsamp::amx::Limbs* limbs = nullptr;  // tiles: x's rows as limbs (amx.h)
+#endif
   float scale_at(int64_t i) const;
 };
 
@@ -357,6 +360,22 @@ SPECSAMP_DISPATCH(q8_avx512, 12)
 SPECSAMP_DISPATCH(q4_avx2, 8)
 SPECSAMP_DISPATCH(q8_avx2, 8)
 
+#ifdef SPECSAMP_AMX
+// Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, up to 8 rows
+// of x a pass (two tiles of limbs, prepared once per call in p.limbs).
+template <int NR, bool Q4>
+void amx_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+  specsamp::amx::product<NR, Q4>(p.codes, static_cast<const uint16_t*>(p.scale), p.min, p.cols,
+                                 p.n, *p.limbs, r0, p.y, n0 / 16, n1 / 16);
+}
+template <int NR>
+void amx_q4(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, true>(p, n0, n1, r0); }
+template <int NR>
+void amx_q8(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, false>(p, n0, n1, r0); }
+SPECSAMP_DISPATCH(amx_q4, 8)
+SPECSAMP_DISPATCH(amx_q8, 8)
+#endif
+
 // Rows r0..r1 of outputs n0..n1 (at most 64, a multiple of 16) on the many-row path
 // (q4gemm.h): each 32 outputs decoded once, then passes of 6 rows.
 template <int NV>
@@ -400,7 +419,12 @@ struct Choice {
   Gemm gemm = nullptr;   // the many-row path for this matrix, where it takes it
 };
 
-Choice pick(bool q4, int64_t block, int64_t cols, int64_t n, int64_t rows) {
+Choice pick(bool q4, bool tiles, int64_t block, int64_t cols, int64_t n, int64_t rows) {
+#ifdef SPECSAMP_AMX
+  if (tiles) return {q4 ? amx_q4_rows : amx_q8_rows, specsamp::amx::kMaxRows};
+#else
+  (void)tiles;  // `problem` refuses the tile layout in a build without the tile path
+#endif
   // A pass's rows of x should stay in L1 (~40 KB) while the pass sweeps its weight rows
   // (6 of 1536 inputs: 20% faster than 12). AVX-512 q4 passes take 6 rows for 2 output
   // rows at once: 8-20% faster than 12 rows for one (single core, 576 and 1536 inputs).
@@ -427,25 +451,6 @@ Choice pick(bool q4, int64_t block, int64_t cols, int64_t n, int64_t rows) {
 // input rows (prefill: thousands) an item's block of x stays in the core's cache while it
 // sweeps the weights; the other order re-read all of x from memory for every weight chunk.
 #ifdef SPECSAMP_AMX
-// Rows r0..r0+nr-1 (nr <= 8) of outputs n0..n1 (whole groups of 16) on the tile unit.
-void amx_rows(const Problem& p, const specsamp::amx::Limbs& in, int64_t n0, int64_t n1,
-              int64_t r0, int64_t nr) {
-  const bool q4 = p.min != nullptr;
-  const auto* scale = static_cast<const uint16_t*>(p.scale);
-  using specsamp::amx::product;
-  auto call = [&](auto kernel) { kernel(p.codes, scale, p.min, p.cols, p.n, in, r0, p.y, n0 / 16, n1 / 16); };
-  switch (nr) {
-    case 1: return q4 ? call(product<1, true>) : call(product<1, false>);
-    case 2: return q4 ? call(product<2, true>) : call(product<2, false>);
-    case 3: return q4 ? call(product<3, true>) : call(product<3, false>);
-    case 4: return q4 ? call(product<4, true>) : call(product<4, false>);
-    case 5: return q4 ? call(product<5, true>) : call(product<5, false>);
-    case 6: return q4 ? call(product<6, true>) : call(product<6, false>);
-    case 7: return q4 ? call(product<7, true>) : call(product<7, false>);
-    default: return q4 ? call(product<8, true>) : call(product<8, false>);
-  }
-}
-
 // x's rows as limbs for the tile unit (amx.h), once per call, the passes split between
 // the threads. The buffers are the calling thread's, reused by its next calls.
 specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) {
@@ -466,9 +471,6 @@ specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) 
   });
   return {l, s, sc};
 }
-constexpr int64_t kTileRows = specsamp::amx::kMaxRows;  // rows of x per pass on the tiles
-#else
-constexpr int64_t kTileRows = 1;  // (no tile path in this build: `problem` refuses tiles)
 #endif
 
 void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
@@ -477,20 +479,15 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   // (whole step at batch 1, alone, 5 interleaved pairs: median 10.1 -> 9.4 ms; 96 and 192
   // were no better), 64 otherwise.
   const int64_t chunk = problems.front().rows < 8 ? 128 : 64;
-  // Weights in the tile layout (all of a call's or none: one format) go to the tile unit
-  // in passes of 4 rows, with x's rows as limbs prepared once for all matrices.
-  const bool tiles = problems.front().tiles;
-#ifdef SPECSAMP_AMX
-  const specsamp::amx::Limbs in = tiles ? prepare_limbs(problems.front(), pool) : specsamp::amx::Limbs{};
-#endif
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
   for (const Problem& p : problems) {
-    firsts.emplace_back(chunks, tiles ? Choice{nullptr, kTileRows}
-                                      : pick(p.min != nullptr, p.block, p.cols, p.n, p.rows));
+    firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.block, p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
-  constexpr int64_t row_block = 60;  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows
+  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 8 that start at
+  // multiples of 4, as x's limb tiles do)
+  constexpr int64_t row_block = 60;
   const int64_t rows = problems.front().rows, blocks = (rows + row_block - 1) / row_block;
   specsamp::parallel_for(pool, blocks * chunks, [&](int64_t item) {
     const int64_t c = item % chunks, rb = item / chunks;
@@ -502,16 +499,8 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
     const int64_t n0 = (c - firsts[m].first) * chunk, n1 = std::min(p.n, n0 + chunk);
     const int64_t r_end = std::min(rows, (rb + 1) * row_block);
     if (firsts[m].second.gemm) return firsts[m].second.gemm(p, n0, n1, rb * row_block, r_end);
-    for (int64_t r0 = rb * row_block; r0 < r_end; r0 += pass) {
-      const int64_t nr = std::min<int64_t>(pass, r_end - r0);
-#ifdef SPECSAMP_AMX
-      if (tiles) {
-        amx_rows(p, in, n0, n1, r0, nr);
-        continue;
-      }
-#endif
-      kernel(p, n0, n1, r0, nr);
-    }
+    for (int64_t r0 = rb * row_block; r0 < r_end; r0 += pass)
+      kernel(p, n0, n1, r0, std::min<int64_t>(pass, r_end - r0));
   });
 }
 
@@ -585,6 +574,15 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
         e.failure())
       return e;
   }
+#ifdef SPECSAMP_AMX
+  // Weights in the tile layout (all of a call's or none): x's rows as limbs, once for all
+  // of the call's matrices.
+  specsamp::amx::Limbs limbs{};
+  if (tiles) {
+    limbs = prepare_limbs(problems.front(), pool);
+    for (Problem& p : problems) p.limbs = &limbs;
+  }
+#endif
   run(problems, pool);
   return ffi::Error::Success();
 }
