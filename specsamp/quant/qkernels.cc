@@ -458,7 +458,8 @@ specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) 
   const int64_t passes = (rows + specsamp::amx::kRows - 1) / specsamp::amx::kRows;
   thread_local std::vector<int8_t> limbs;
   thread_local std::vector<float> sums, scale;
-  limbs.assign(passes * nb * 16 * 32, 0);
+  // (not zeroed: a tile loads only the limb rows of rows that exist, all written below)
+  limbs.resize(passes * nb * 16 * 32);
   sums.resize(rows * nb);
   scale.resize(rows);
   // (pointers, not the names: a helper thread's `limbs` would be its own thread_local)
