@@ -244,16 +244,15 @@ class FeatureDrafter:
         t = state.current
         g, fs = self.refresh(params, state)
 
-        def head(g):
-            return model.logits(params, g)[:, 0]
-
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
             return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache)
 
-        draw = _drawer(self.sampling, keys)
         if self.sampling.greedy:  # the argmax straight from a reduced head's logits
             vocab = self.cfg.vocab_size
             head = lambda g: model.greedy_tokens(params, g)[:, 0]
             draw = lambda tok, i: (tok, jax.nn.one_hot(tok, vocab, dtype=jnp.float32))
+        else:
+            head = lambda g: model.logits(params, g)[:, 0]
+            draw = _drawer(self.sampling, keys)
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))
