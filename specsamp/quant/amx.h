@@ -44,8 +44,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 namespace specsamp::amx {
 
