@@ -147,3 +147,28 @@ def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
     assert len({s for s, _ in calls[:6]}) == 2
     assert [group for _, group in calls[6:]] == [tuple(range(len(PROMPTS)))] * 2
     assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4
+
+
+def test_repeats_pool_the_runs_and_list_each_runs_speedup(tmp_path):
+    """repeats=2: every prompt runs twice per setting (counts double), rates pool both runs,
+    and `speedups` holds each run's own ratio, paired within the run."""
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+
+    def load(draft, k):
+        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
+
+    once = run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"])
+    twice = run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"], repeats=2)
+    assert [r["repeats"] for r in twice] == [2] * 4 and "speedups" not in once[0]
+    for a, b in zip(once, twice):
+        assert b["prompts"] == 2 * a["prompts"] and b["generated_tokens"] == 2 * a["generated_tokens"]
+        assert b["decode_tokens_per_s"] == pytest.approx(b["generated_tokens"] / b["decode_s"])
+        assert len(b["speedups"]) == 2 and all(math.isfinite(x) and x > 0 for x in b["speedups"])
+        if b["drafter"] == "none":
+            assert b["speedups"] == [1.0, 1.0]
+        else:  # the pooled ratio lies between the runs' own
+            assert min(b["speedups"]) - 1e-9 <= b["speedup"] <= max(b["speedups"]) + 1e-9
+    assert "runs " in format_throughput(twice)

@@ -3,6 +3,9 @@ per batch size, drafter and K (a fixed K or `auto`, the batch-aware policy), wit
 batches (a batch runs until its longest row ends) and continuous batching (free slots are
 refilled), EOS on, on the same prompts, in one process; with static batches every setting
 runs each batch in turn before the next batch (interleaved under the same machine noise).
+With `repeats` > 1 the whole schedule runs that many times on the same engines; every figure
+pools the runs (tokens and seconds summed), and `speedups` lists each run's own speed-up, so
+that a reader sees how far the machine's noise moves it.
 
 Compilation is never timed: both engines compile every program ahead of its first timed
 call (`specsamp.compilation`) and report the seconds apart. Figures:
@@ -12,6 +15,8 @@ call (`specsamp.compilation`) and report the seconds apart. Figures:
   ar_tokens_per_s, ar_decode_tokens_per_s: the same for the baseline (drafter "none", K 0)
     at the same batch size and batching;
   speedup: decode_tokens_per_s over the baseline's;
+  speedups: (repeats > 1) each run's decode tokens/s over the baseline's in the same run;
+  repeats: runs of the schedule pooled in the row;
   vs_static: (continuous rows) decode_tokens_per_s over the static row of the same setting;
   rounds: decode rounds run (each computes every slot of the batch, busy or not);
   tokens_per_slot_round: generated tokens over rounds x batch_size (for the baseline, the
@@ -118,6 +123,7 @@ def run_throughput(
     batchings: Sequence[str] = ("static", "continuous"),
     log: Callable[[str], None] = lambda s: None,
     machine: Machine | None = None,
+    repeats: int = 1,
 ) -> list[dict]:
     ar = load("none", 1)
     ids = [ar.encode_prompt(p) for p in prompts]
@@ -140,14 +146,21 @@ def run_throughput(
             # Static batches run every setting in turn before the next batch, so that a
             # slow spell of the machine falls on all of them alike (continuous batching
             # needs the whole stream: its settings run one after the other).
-            for group in _groups(len(ids), batch, batching):
-                for setting in settings:
-                    setting.add(group)
+            runs = []  # each setting's (generated tokens, decode seconds) after each run
+            for _ in range(repeats):
+                for group in _groups(len(ids), batch, batching):
+                    for setting in settings:
+                        setting.add(group)
+                runs.append([(s.m.generated, s.m.decode_s) for s in settings])
+            rates = _run_rates(runs)
             base = settings[0].m
-            for (name, k, _), setting in zip(gens, settings):
+            for i, ((name, k, _), setting) in enumerate(zip(gens, settings)):
                 m = setting.m
                 log(f"  batch {batch} {batching} K={k}: {m.generated / m.decode_s:.1f} decode tokens/s")
                 row = _row(batch, batching, name, k, m, base)
+                row["repeats"] = repeats
+                if repeats > 1:
+                    row["speedups"] = [stats.ratio(run[i], run[0]) for run in rates]
                 if name == "none":
                     if batching == "static":
                         row["continuous_bound"] = stats.ratio(m.rounds, math.ceil(m.generated / batch))
@@ -159,6 +172,15 @@ def run_throughput(
                     row["vs_static"] = row["decode_tokens_per_s"] / static[(name, k)]
                 rows.append(row)
     return rows
+
+
+def _run_rates(runs: list[list[tuple[int, float]]]) -> list[list[float]]:
+    """Per run and setting, decode tokens/s of that run alone, from running totals."""
+    out, prev = [], [(0, 0.0)] * len(runs[0])
+    for run in runs:
+        out.append([stats.ratio(g - g0, s - s0) for (g, s), (g0, s0) in zip(run, prev)])
+        prev = run
+    return out
 
 
 def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
@@ -188,7 +210,8 @@ def format_throughput(rows: list[dict]) -> str:
         lines.append(
             f"{r['batch_size']:>3} {r['batching']:>10} {r['drafter'][-21:]:>21} {str(r['k']):>4} "
             f"{r['prefill_tokens_per_s']:>11.1f} {r['decode_tokens_per_s']:>10.1f} "
-            f"{r['tokens_per_s']:>9.1f} {r['ar_decode_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {vs}")
+            f"{r['tokens_per_s']:>9.1f} {r['ar_decode_tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {vs}"
+            + (f"  runs {min(r['speedups']):.2f}-{max(r['speedups']):.2f}x" if r.get("speedups") else ""))
     lines.append("decode t/s: generated tokens over decode wall time; total: over prefill + decode; "
                  "speed-up: decode t/s over the baseline's (same B and batching)")
     lines += _limits(rows)

@@ -39,7 +39,9 @@ def register(sub) -> None:
                    help="number of prompts (default 8; with --throughput 4 x the largest batch "
                         "size, so that continuous batching has prompts to refill with)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="median over this many (default 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="median over this many (default 3); with --throughput, runs of the whole "
+                        "schedule, pooled, with each run's speed-up reported (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
     add_weights_arg(p, many=True)
@@ -79,14 +81,15 @@ def run(args) -> int:
 
     if args.draft == "none":
         raise UserError("bench compares a drafter with the baseline: give --draft other than none")
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.throughput:
         return run_throughput_command(args)
+    args.repeats = 3 if args.repeats is None else args.repeats
     args.k = args.k or [2, 4]
     args.limit = 8 if args.limit is None else args.limit
     if "auto" in args.k:
         raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
-    if args.repeats < 1:
-        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     prompts, chat = _prompts(args)
     samplings = [SamplingParams(t, args.top_k, p) for t in args.temperature for p in args.top_p
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
@@ -154,7 +157,9 @@ def run_throughput_command(args) -> int:
     sp = SamplingParams(args.temperature[0], args.top_k, args.top_p[0])
     status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
 
-    status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}")
+    repeats = args.repeats or 1
+    status(f"{len(prompts)} prompts, batch sizes {args.batch_size}, K={ks}, drafter {args.draft}, "
+           f"{repeats} run(s)")
     machine = Machine(streaming_bandwidth(), compute_peak())
     status(f"this machine streams {machine.gb_per_s:.1f} GB/s and multiplies float32 matrices "
            f"at {machine.gflop_per_s:.0f} GFLOP/s")
@@ -167,6 +172,6 @@ def run_throughput_command(args) -> int:
                                                 tensor_parallel=args.tensor_parallel))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
-                               log=status, machine=machine)
+                               log=status, machine=machine, repeats=repeats)
         rows += [{**r, "weights": weights} for r in group]
     return _print(rows, args.json, format_throughput)
