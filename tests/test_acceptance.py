@@ -105,7 +105,8 @@ def test_greedy_rule_equals_the_rule_on_one_hot_q():
     match 0..K leading argmaxes, with tied logits and with p a point mass or not."""
     from specsamp.decoding.acceptance import accept_batch, accept_greedy
     from specsamp.decoding.config import SamplingParams
-    from specsamp.decoding.sampling import first_argmax, probs_from_logits
+    from specsamp.decoding.sampling import probs_from_logits
+    from specsamp.models.argmax import first_argmax
 
     rng = np.random.default_rng(0)
     b, k, v = 64, 3, 6

@@ -101,7 +101,7 @@ def test_padded_reduced_head_proposes_the_same():
     import numpy as np
 
     from specsamp.models.feature_draft import FeatureModel, draft_logits, reduced_head
-    from specsamp.decoding.sampling import first_argmax
+    from specsamp.models.argmax import first_argmax
     from tests import tiny
 
     cfg, params = tiny.feature_draft()

@@ -253,7 +253,7 @@ def test_native_argmax_is_first_argmax(v):
     leading axes, a NaN row giving V - 1; and `first_argmax` takes the kernel for a real
     vocabulary here."""
     _kernel_or_skip()
-    from specsamp.decoding import sampling
+    from specsamp.models import argmax
 
     rng = np.random.default_rng(v)
     x = rng.normal(size=(6, v)).astype(np.float32)
@@ -264,9 +264,9 @@ def test_native_argmax_is_first_argmax(v):
     x[4, [v // 3, v - 1]] = 60.0
     x = jnp.asarray(x.reshape(2, 3, v))
     got = np.asarray(jax.jit(kernels.argmax)(x)).ravel()
-    want = np.asarray(sampling.xla_first_argmax(x)).ravel()
+    want = np.asarray(argmax.xla_first_argmax(x)).ravel()
     # (XLA's answer for the NaN row depends on its reduction: NaN-propagating or not)
     np.testing.assert_array_equal(got[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]])
     np.testing.assert_array_equal(got[[1, 2, 3, 4]], [0, v - 1, 0, v // 3])
-    if v >= sampling.NATIVE_ARGMAX_FROM and jax.device_count() == 1:
-        assert "specsamp_argmax" in jax.jit(sampling.first_argmax).lower(x).as_text()
+    if v >= argmax.NATIVE_ARGMAX_FROM and jax.device_count() == 1:
+        assert "specsamp_argmax" in jax.jit(argmax.first_argmax).lower(x).as_text()

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 from specsamp.decoding.acceptance import accept_batch, accept_greedy
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.drafters import Drafter
-from specsamp.decoding.sampling import first_argmax, probs_from_logits, sample
+from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
     RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
 )
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
+from specsamp.models.argmax import first_argmax
 
 
 @dataclasses.dataclass(frozen=True)

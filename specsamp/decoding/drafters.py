@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.sampling import first_argmax, probs_from_logits, sample
+from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
+from specsamp.models.argmax import first_argmax
 from specsamp.models.feature_draft import FeatureModel
 
 

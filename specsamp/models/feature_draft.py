@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specsamp.models.argmax import first_argmax
 from specsamp.models.llama import (
     KVCache, Linear, ModelConfig, rope_tables, run_layers, setup_decoder,
 )
@@ -88,8 +89,6 @@ class FeatureModel:
         """The argmax token [...] of the draft's logits (first index on ties), without the
         full-vocabulary logits where the head is reduced: its ids are sorted, so the first
         of equal reduced logits is the first in vocabulary order, as over `logits`."""
-        from specsamp.decoding.sampling import first_argmax
-
         if "head_ids" not in params:
             return first_argmax(self.logits(params, g))
         return params["head_ids"][first_argmax(head_product(g, params["head"]["kernel"]))]

@@ -141,8 +141,8 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
 
 def argmax(x: jax.Array) -> jax.Array:
     """x [..., V] -> [...] int32: the first index of each row's largest value (V - 1 for a
-    row holding a NaN), on the kernel: `sampling.first_argmax`'s XLA answer on every row
-    without a NaN."""
+    row holding a NaN), on the kernel: `specsamp.models.argmax.first_argmax`'s XLA answer on
+    every row without a NaN."""
     lead, v = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, v).astype(jnp.float32)
     out = jax.ffi.ffi_call("specsamp_argmax", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32),

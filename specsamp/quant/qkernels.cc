@@ -590,7 +590,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
 
 // ---- argmax over a row of logits (greedy tokens): the first index of the largest value,
 // V - 1 for a row holding a NaN; on rows without one, what
-// `specsamp.decoding.sampling.first_argmax` computes in XLA, where max, compare and min
+// `specsamp.models.argmax.first_argmax` computes in XLA, where max, compare and min
 // over a 49,152-token vocabulary took ~0.3 ms a row.
 int32_t argmax_portable(const float* x, int64_t v) {
   int64_t best = 0;
