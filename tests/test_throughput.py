@@ -149,6 +149,32 @@ def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
     assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4
 
 
+def test_repeats_alternate_the_order_of_settings(tmp_path, monkeypatch):
+    """Odd runs take the settings in reverse order (static: within each batch; continuous:
+    the whole stream), so that a drift of the machine's speed falls on all settings alike."""
+    from specsamp.analysis import throughput
+    from specsamp.decoding.generator import GeneratorSpec, load_generator
+    from specsamp.testing import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
+    calls = []
+    add = throughput._Setting.add
+    monkeypatch.setattr(throughput._Setting, "add",
+                        lambda self, group: (calls.append((self, tuple(group))), add(self, group)))
+
+    def load(draft, k):
+        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
+
+    run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"], repeats=2)
+    static, stream = calls[:8], calls[8:]
+    first = static[0][0]
+    # run 1: batch (0, 1) then (2, 3), baseline first; run 2: the other setting first
+    assert [g for _, g in static] == [(0, 1), (0, 1), (2, 3), (2, 3)] * 2
+    assert [s is first for s, _ in static] == [True, False, True, False, False, True, False, True]
+    assert [g for _, g in stream] == [(0, 1, 2, 3)] * 4
+    assert stream[0][0] is stream[3][0] and stream[1][0] is stream[2][0] and stream[0][0] is not stream[1][0]
+
+
 def test_repeats_pool_the_runs_and_list_each_runs_speedup(tmp_path):
     """repeats=2: every prompt runs twice per setting (counts double), rates pool both runs,
     and `speedups` holds each run's own ratio, paired within the run."""

@@ -3,9 +3,10 @@ per batch size, drafter and K (a fixed K or `auto`, the batch-aware policy), wit
 batches (a batch runs until its longest row ends) and continuous batching (free slots are
 refilled), EOS on, on the same prompts, in one process; with static batches every setting
 runs each batch in turn before the next batch (interleaved under the same machine noise).
-With `repeats` > 1 the whole schedule runs that many times on the same engines; every figure
-pools the runs (tokens and seconds summed), and `speedups` lists each run's own speed-up, so
-that a reader sees how far the machine's noise moves it.
+With `repeats` > 1 the whole schedule runs that many times on the same engines (odd runs take
+the settings in reverse order, so that a drift of the machine falls on all alike); every
+figure pools the runs (tokens and seconds summed), and `speedups` lists each run's own
+speed-up, so that a reader sees how far the machine's noise moves it.
 
 Compilation is never timed: both engines compile every program ahead of its first timed
 call (`specsamp.compilation`) and report the seconds apart. Figures:
@@ -147,9 +148,14 @@ def run_throughput(
             # slow spell of the machine falls on all of them alike (continuous batching
             # needs the whole stream: its settings run one after the other).
             runs = []  # each setting's (generated tokens, decode seconds) after each run
-            for _ in range(repeats):
+            for run in range(repeats):
+                # Odd runs take the settings in reverse order: a drift of the machine's
+                # speed over the runs then falls on every setting alike (continuous
+                # settings run one after the other, so their first run alone would favour
+                # whichever ran on the faster side of a drift).
+                order = settings if run % 2 == 0 else settings[::-1]
                 for group in _groups(len(ids), batch, batching):
-                    for setting in settings:
+                    for setting in order:
                         setting.add(group)
                 runs.append([(s.m.generated, s.m.decode_s) for s in settings])
             rates = _run_rates(runs)
