@@ -125,9 +125,10 @@ def test_roofline_row_uses_the_models_bytes_and_flops(tmp_path):
         2, model.step_bytes(params), model.step_flops(params), MACHINE))
 
 
-def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
-    """Static batches are interleaved: every setting runs batch i before any runs batch
-    i + 1 (machine noise then falls on all settings alike); continuous runs the stream."""
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """(load, calls): a tiny model's generators, and every (setting, group) the bench runs,
+    in order."""
     from specsamp.analysis import throughput
     from specsamp.decoding.generator import GeneratorSpec, load_generator
     from specsamp.testing import make_tiny_checkpoint
@@ -141,6 +142,13 @@ def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
     def load(draft, k):
         return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
 
+    return load, calls
+
+
+def test_static_settings_run_each_batch_in_turn(recorded):
+    """Static batches are interleaved: every setting runs batch i before any runs batch
+    i + 1 (machine noise then falls on all settings alike); continuous runs the stream."""
+    load, calls = recorded
     rows = run_throughput(load, PROMPTS, "ngram", [2], [2], ["static", "continuous"])
     static = [group for _, group in calls[:6]]
     assert static == [(0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5)]
@@ -149,22 +157,10 @@ def test_static_settings_run_each_batch_in_turn(tmp_path, monkeypatch):
     assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4
 
 
-def test_repeats_alternate_the_order_of_settings(tmp_path, monkeypatch):
+def test_repeats_alternate_the_order_of_settings(recorded):
     """Odd runs take the settings in reverse order (static: within each batch; continuous:
     the whole stream), so that a drift of the machine's speed falls on all settings alike."""
-    from specsamp.analysis import throughput
-    from specsamp.decoding.generator import GeneratorSpec, load_generator
-    from specsamp.testing import make_tiny_checkpoint
-
-    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
-    calls = []
-    add = throughput._Setting.add
-    monkeypatch.setattr(throughput._Setting, "add",
-                        lambda self, group: (calls.append((self, tuple(group))), add(self, group)))
-
-    def load(draft, k):
-        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
-
+    load, calls = recorded
     run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"], repeats=2)
     static, stream = calls[:8], calls[8:]
     first = static[0][0]
@@ -175,17 +171,10 @@ def test_repeats_alternate_the_order_of_settings(tmp_path, monkeypatch):
     assert stream[0][0] is stream[3][0] and stream[1][0] is stream[2][0] and stream[0][0] is not stream[1][0]
 
 
-def test_repeats_pool_the_runs_and_list_each_runs_speedup(tmp_path):
+def test_repeats_pool_the_runs_and_list_each_runs_speedup(recorded):
     """repeats=2: every prompt runs twice per setting (counts double), rates pool both runs,
     and `speedups` holds each run's own ratio, paired within the run."""
-    from specsamp.decoding.generator import GeneratorSpec, load_generator
-    from specsamp.testing import make_tiny_checkpoint
-
-    target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
-
-    def load(draft, k):
-        return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
-
+    load, _ = recorded
     once = run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"])
     twice = run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"], repeats=2)
     assert [r["repeats"] for r in twice] == [2] * 4 and "speedups" not in once[0]
