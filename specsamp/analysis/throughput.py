@@ -126,6 +126,8 @@ def run_throughput(
     machine: Machine | None = None,
     repeats: int = 1,
 ) -> list[dict]:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     ar = load("none", 1)
     ids = [ar.encode_prompt(p) for p in prompts]
     bound = None
