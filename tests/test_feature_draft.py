@@ -100,8 +100,8 @@ def test_padded_reduced_head_proposes_the_same():
     import jax.numpy as jnp
     import numpy as np
 
-    from specsamp.models.feature_draft import FeatureModel, draft_logits, reduced_head
     from specsamp.models.argmax import first_argmax
+    from specsamp.models.feature_draft import FeatureModel, draft_logits, reduced_head
     from tests import tiny
 
     cfg, params = tiny.feature_draft()
