@@ -16,18 +16,11 @@ def first_argmax(x: jax.Array) -> jax.Array:
     and a real vocabulary, one kernel call (`specsamp.quant.kernels.argmax`, ~0.3 ms less a
     row of 49k logits); elsewhere two vectorised reductions (XLA:CPU's fused argmax is 3-4x
     slower still)."""
-    v = x.shape[-1]
-    if v >= NATIVE_ARGMAX_FROM and _native():
-        from specsamp.quant import kernels
-
-        return kernels.argmax(x)
-    return xla_first_argmax(x)
-
-
-def _native() -> bool:
     from specsamp.quant import kernels
 
-    return jax.device_count() == 1 and kernels.default_backend() == "cpu"
+    if x.shape[-1] >= NATIVE_ARGMAX_FROM and kernels.on_one_cpu_device():
+        return kernels.argmax(x)
+    return xla_first_argmax(x)
 
 
 def xla_first_argmax(x: jax.Array) -> jax.Array:

@@ -162,5 +162,4 @@ def default_attention(cfg: ModelConfig, mesh) -> str:
     from specsamp.quant import kernels
 
     fits = cfg.head_dim <= 256
-    one = mesh is None and jax.device_count() == 1
-    return "cpu" if one and fits and kernels.default_backend() == "cpu" else "xla"
+    return "cpu" if mesh is None and fits and kernels.on_one_cpu_device() else "xla"

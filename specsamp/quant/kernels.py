@@ -99,6 +99,12 @@ def default_backend() -> str:
     return "cpu"
 
 
+def on_one_cpu_device() -> bool:
+    """Whether calls traced now can take the kernels that do not shard: one device, the
+    native kernels' backend (the argmax; attention over the KV cache)."""
+    return jax.device_count() == 1 and default_backend() == "cpu"
+
+
 def supports(w) -> bool:
     """Whether the kernels take this QWeight's layout (Q4_0 with float32 minimums do not)."""
     if w.bits == 4:
