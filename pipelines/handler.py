@@ -53,7 +53,8 @@ def generator_spec(cfg: RunConfig, setting: Setting):
                          sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
                          batch_size=cfg.batch_size, weights=cfg.weights,
-                         tensor_parallel=cfg.tensor_parallel, batching="continuous")
+                         tensor_parallel=cfg.tensor_parallel, kv_cache=cfg.kv_cache,
+                         batching="continuous")
 
 
 class Generators:

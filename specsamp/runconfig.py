@@ -83,6 +83,7 @@ class RunConfig:
     workers: Workers = Workers()
     weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
     tensor_parallel: int = 1  # split the target over each worker's first N devices
+    kv_cache: str = "float32"  # float32 | float16: what the target's KV cache holds
 
     @property
     def target_name(self) -> str:
@@ -95,7 +96,7 @@ class RunConfig:
     def config_hash(self) -> str:
         """sha256 (first 16 hex) of the settings that change a sample."""
         keys = ("settings", "target", "sampling", "max_new_tokens", "chat", "system", "stop", "seed",
-                "weights")
+                "weights", "kv_cache")
         full = dataclasses.asdict(self)
         body = {k: full[k] for k in keys}
         body["target"] = self.target_name
@@ -245,6 +246,10 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
 
     if cfg.weights not in WEIGHTS:
         fail(f"'weights' must be one of {', '.join(WEIGHTS)}, got {cfg.weights!r}")
+    from specsamp.decoding.config import KV_CACHES
+
+    if cfg.kv_cache not in KV_CACHES:
+        fail(f"'kv_cache' must be one of {', '.join(KV_CACHES)}, got {cfg.kv_cache!r}")
     w = cfg.workers
     if not isinstance(w.share_model_across_processes, bool):
         fail("workers.share_model_across_processes must be true or false")

@@ -27,11 +27,11 @@ def _attend(layer, q, k, v, pos, kc, vc, scale):
     return jax.jit(kernels.attend, static_argnums=7)(layer, q, k, v, pos, kc, vc, scale)
 
 
-def _decode(model, params, rows):
+def _decode(model, params, rows, dtype=jnp.float32):
     """Prefill each row's prompt (different lengths: rows sit at different positions),
     then three single-token steps; returns the logits of every call and the final cache."""
     forward = jax.jit(model.forward)
-    cache, outs = model.init_cache(len(rows), 32), []
+    cache, outs = model.init_cache(len(rows), 32, dtype), []
     t = max(len(r) for r in rows)
     tokens = jnp.asarray([r + [0] * (t - len(r)) for r in rows], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
@@ -44,27 +44,35 @@ def _decode(model, params, rows):
     return outs, cache
 
 
-def test_model_logits_match_xla_attention():
-    """Catches a wrong kernel (softmax, masking, head grouping, cache offsets): the whole
-    model with the kernel gives XLA's logits on rows at different positions."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_model_logits_match_xla_attention(dtype):
+    """Catches a wrong kernel (softmax, masking, head grouping, cache offsets, the float16
+    cache's rounding or reading): the whole model with the kernel gives XLA's logits on rows
+    at different positions, with a cache of either type."""
     params = init_params(CFG, seed=3)
     rows = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [4, 4, 4, 4, 4]]
-    got, got_cache = _decode(Model(CFG, attention="cpu"), params, rows)
-    want, want_cache = _decode(Model(CFG, attention="xla"), params, rows)
+    got, got_cache = _decode(Model(CFG, attention="cpu"), params, rows, dtype)
+    want, want_cache = _decode(Model(CFG, attention="xla"), params, rows, dtype)
+    assert got_cache.k.dtype == want_cache.k.dtype == dtype
+    # The two paths' keys differ by float32 rounding (their products sum in other orders);
+    # rounded to half, a value that close to a rounding boundary lands one half step apart
+    # (2^-11 relative), and that carries into the logits.
+    tol = 2e-5 if dtype == jnp.float32 else 2e-3
     for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
     for name in ("k", "v"):  # the same slots written with the same values
-        np.testing.assert_allclose(np.asarray(getattr(got_cache, name)),
-                                   np.asarray(getattr(want_cache, name)), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(getattr(got_cache, name), np.float32),
+                                   np.asarray(getattr(want_cache, name), np.float32),
+                                   rtol=tol, atol=tol)
 
 
-def _inputs(b, t, h=6, j=2, e=24, layers=3, slots=32, seed=0):
+def _inputs(b, t, h=6, j=2, e=24, layers=3, slots=32, seed=0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(ks[0], (b, t, h, e))
     k = jax.random.normal(ks[1], (b, t, j, e))
     v = jax.random.normal(ks[2], (b, t, j, e))
-    kc = jax.random.normal(ks[3], (layers, b, j, slots, e))
-    vc = jax.random.normal(ks[4], (layers, b, j, slots, e))
+    kc = jax.random.normal(ks[3], (layers, b, j, slots, e)).astype(dtype)
+    vc = jax.random.normal(ks[4], (layers, b, j, slots, e)).astype(dtype)
     return q, k, v, kc, vc
 
 
@@ -72,21 +80,24 @@ def _inputs(b, t, h=6, j=2, e=24, layers=3, slots=32, seed=0):
 # AVX-512 the vector scores of 16 slots at once); starts such that rows cover whole blocks
 # of 16 slots and a partial last one.
 WIDTHS = [(24, 32, (5, 11)), (64, 48, (13, 37))]
+DTYPES = [jnp.float32, jnp.float16]  # what the cache holds
 
 
 def _reference(q, keys, vals, scale):
     """Plain numpy attention of one query over its row's slots (keys, vals [n, E])."""
     s = keys.astype(np.float64) @ (q.astype(np.float64) * scale)
     w = np.exp(s - s.max())
-    return (w / w.sum()) @ vals
+    return (w / w.sum()) @ vals.astype(np.float64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e,slots,starts", WIDTHS)
-def test_rows_alike_whatever_the_token_count(e, slots, starts):
+def test_rows_alike_whatever_the_token_count(e, slots, starts, dtype):
     """Catches a kernel whose numbers depend on T (vector tails, shared partial sums):
     four tokens in one call give bit for bit the outputs of four one-token calls; and
-    every output is the plain numpy attention over the row's slots."""
-    q, k, v, kc, vc = _inputs(2, 4, e=e, slots=slots)
+    every output is the plain numpy attention over the row's slots (as the cache holds
+    them: float16 values read back exactly)."""
+    q, k, v, kc, vc = _inputs(2, 4, e=e, slots=slots, dtype=dtype)
     start = jnp.asarray([[starts[0]], [starts[1]]], jnp.int32)
     pos = start + jnp.arange(4, dtype=jnp.int32)
     out, k4, v4 = _attend(1, q, k, v, pos, kc, vc, 0.2)
@@ -109,12 +120,13 @@ def test_rows_alike_whatever_the_token_count(e, slots, starts):
                     rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e,slots,starts", WIDTHS)
-def test_rows_alike_whatever_the_batch(e, slots, starts):
+def test_rows_alike_whatever_the_batch(e, slots, starts, dtype):
     """Catches a row whose numbers depend on its batch: from 3 rows on, the kernel's work
     items change from (row, query head) to (row, KV head); each row of a batch of 4 gives
     bit for bit what it gives alone, and a wrong head-to-KV-head map fails the reference."""
-    q, k, v, kc, vc = _inputs(4, 1, e=e, slots=slots, seed=2)
+    q, k, v, kc, vc = _inputs(4, 1, e=e, slots=slots, seed=2, dtype=dtype)
     pos = jnp.asarray([[starts[0]], [starts[1]], [slots - 1], [0]], jnp.int32)
     out, kb, vb = (np.asarray(a) for a in _attend(0, q, k, v, pos, kc, vc, 0.2))
     for b in range(4):
@@ -151,3 +163,33 @@ def test_writes_in_place_and_ignores_later_slots():
     s = keys @ (np.asarray(q)[b, t, h] * 0.2)
     w = np.exp(s - s.max())
     np.testing.assert_allclose(np.asarray(out)[b, t, h], (w / w.sum()) @ vals, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_cache_rounds_as_numpy_does():
+    """Catches a wrong float-to-half conversion in the cache write (rounding, ties,
+    subnormals, overflow, signs, nan): the written keys are bit for bit numpy's float16
+    of the new keys, the other slots untouched."""
+    e = 16
+    special = np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, np.inf,
+                        -np.inf, 6.1e-5, 6.0e-8, 2.9e-8, 3.0e-8, 1e-9], np.float32)
+    ties = np.float32(1.0) + np.float32(2.0 ** -11) * np.arange(1, 17, dtype=np.float32)
+    halfway = np.float32(2.0 ** -24) * (np.arange(16, dtype=np.float32) + np.float32(0.5))
+    new = np.stack([special, ties, halfway, np.random.default_rng(0).normal(size=e) * 300])
+    k = jnp.asarray(new.astype(np.float32))[:, None, None, :]  # [B=4, T=1, J=1, E]
+    q = jnp.zeros((4, 1, 1, e), jnp.float32)
+    kc = jnp.full((1, 4, 1, 8, e), 7.0, jnp.float16)
+    pos = jnp.full((4, 1), 3, jnp.int32)
+    _, k2, _ = _attend(0, q, k, k, pos, kc, kc, 1.0)
+    got = np.asarray(k2)[0, :, 0]
+    assert got.dtype == np.float16
+    with np.errstate(over="ignore"):  # 1e6 and 65520 overflow to infinity, as they must
+        want = new.astype(np.float16)
+    np.testing.assert_array_equal(got[:, 3].view(np.uint16), want.view(np.uint16))
+    assert (np.delete(got, 3, axis=1) == 7.0).all()
+
+
+def test_float16_nan_stays_nan():
+    k = jnp.full((1, 1, 1, 16), jnp.nan, jnp.float32)
+    kc = jnp.zeros((1, 1, 1, 4, 16), jnp.float16)
+    _, k2, _ = _attend(0, jnp.zeros((1, 1, 1, 16)), k, k, jnp.zeros((1, 1), jnp.int32), kc, kc, 1.0)
+    assert np.isnan(np.asarray(k2)[0, 0, 0, 0]).all()

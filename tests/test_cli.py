@@ -24,6 +24,8 @@ CASES = [
     (["generate", "--prompt", "hi", "--draft", "ngram+/no/such/draft"], "feature-conditioned"),
     (["generate", "--prompt", "hi", "--weights", "int4"], "weights must be among"),
     (["bench", "--weights", "stored,fp8"], "weights must be among"),
+    (["generate", "--prompt", "hi", "--kv-cache", "int8"], "kv cache must be among"),
+    (["bench", "--throughput", "--kv-cache", "float32,x"], "kv cache must be among"),
 ]
 
 

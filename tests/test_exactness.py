@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.decode import Program
+from specsamp.decoding.decode import Program, new_state
 from specsamp.decoding.engine import Engine, prefill_groups
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
@@ -25,8 +25,9 @@ N_SAMPLES = 24_000
 N_TOKENS = 3
 
 
-def exact_joint(sp: SamplingParams) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes."""
+def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes
+    (XLA's attention, over keys and values rounded to the cache's type)."""
     from specsamp.decoding.sampling import probs_from_logits
 
     v = tiny.TARGET.vocab_size
@@ -34,8 +35,8 @@ def exact_joint(sp: SamplingParams) -> np.ndarray:
     b, t = seqs.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     logits, _ = Transformer(tiny.TARGET).apply(
-        {"params": tiny.target_params()}, jnp.asarray(seqs), positions, init_cache(tiny.TARGET, b, t)
-    )
+        {"params": tiny.target_params()}, jnp.asarray(seqs), positions,
+        init_cache(tiny.TARGET, b, t, kv_dtype))
     probs = np.asarray(probs_from_logits(logits, sp), np.float64)
     n = len(PROMPT)
     joint = np.ones(len(seqs))
@@ -51,12 +52,12 @@ DRAFTS = {"none": "none", "model": "tiny-draft", "early-exit": "early-exit:1", "
 WIDE = 3  # "hybrid-wide": wide lookup rounds of 3 tokens on 3-token matches (`k auto`'s)
 
 
-def make_engine(sp, drafter_kind, k, max_new=N_TOKENS):
+def make_engine(sp, drafter_kind, k, max_new=N_TOKENS, kv_cache="float32"):
     drafter, draft_params = tiny.drafter(DRAFTS[drafter_kind], k, sp,
                                          wide=WIDE if drafter_kind == "hybrid-wide" else 0)
     if drafter_kind.startswith("hybrid"):  # the factory's hybrid looks up 2-grams and longer only
         assert drafter.ngram.min_ngram == 2
-    return Engine(Program(tiny.TARGET, sp, drafter), tiny.target_params(), draft_params,
+    return Engine(Program(tiny.TARGET, sp, drafter, kv_cache), tiny.target_params(), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
 
 
@@ -112,6 +113,21 @@ def test_joint_distribution_of_three_tokens_matches_target(drafter, k, temperatu
         assert 0.0 < acceptance < 1.0  # both branches of the rule were exercised
 
 
+def test_float16_cache_distribution_matches_its_target():
+    """With a float16 KV cache the target is the model over half-rounded keys and values:
+    speculative samples follow that model's joint exactly. (The two models are close, so
+    the check alone would pass with a float32 cache too: the state's cache type is
+    checked as well.)"""
+    sp = SamplingParams(1.0)
+    engine = make_engine(sp, "model", 2, kv_cache="float16")
+    state = new_state(engine.prog, jnp.asarray([PROMPT]), jnp.asarray([len(PROMPT)]), N_TOKENS,
+                      jnp.zeros((1,), jnp.uint32), 16)
+    assert state.target_cache.k.dtype == jnp.float16
+    counts, acceptance = sample_counts(engine)
+    assert chi_square_pvalue(counts, exact_joint(sp, jnp.float16)) > ALPHA
+    assert 0.0 < acceptance < 1.0
+
+
 def test_the_statistical_check_has_power():
     """A sampler from a slightly different distribution (temperature 1.1 instead of 1.0)
     must fail the same check: the test above can fail."""
@@ -138,6 +154,16 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k):
         assert set(s.drafted) <= ({k, WIDE} if drafter == "hybrid-wide" else {k})
     if drafter == "hybrid-wide":  # wide rounds ran, on PROMPT's repeats at least
         assert any(WIDE in s.drafted for s in spec)
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 4), ("hybrid-wide", 2)])
+def test_greedy_speculative_equals_greedy_autoregressive_float16_cache(drafter, k):
+    sp = SamplingParams(0.0)
+    prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+    ar = make_engine(sp, "none", 1, max_new=24, kv_cache="float16").run(prompts, [0, 1, 2, 3])
+    spec = make_engine(sp, drafter, k, max_new=24, kv_cache="float16").run(prompts, [0, 1, 2, 3])
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    assert all(len(a.token_ids) == 24 for a in ar)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "feature", "hybrid"])

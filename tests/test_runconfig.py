@@ -65,6 +65,7 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"workers": {"model_copies": 0}}, "model_copies"),
     ({"workers": {"gpus": 1}}, "workers"),
     ({"weights": "fp8"}, "weights"),
+    ({"kv_cache": "bfloat16"}, "kv_cache"),
 ])
 def test_mistakes_are_user_errors(changes, words):
     with pytest.raises(UserError, match=words) as error:
@@ -89,7 +90,7 @@ def test_hash_covers_what_changes_samples_only():
     assert a.config_hash() == make(output="elsewhere", limit=3, input="q.parquet", batch_size=4).config_hash()
     for changes in ({"seed": 1}, {"max_new_tokens": 64}, {"sampling": {"temperature": 1.0}},
                     {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."},
-                    {"weights": "float32"}):
+                    {"weights": "float32"}, {"kv_cache": "float16"}):
         assert make(**changes).config_hash() != a.config_hash(), changes
     assert make(target="smollm2").config_hash() == a.config_hash()  # the default, spelled out
 
@@ -123,3 +124,14 @@ def test_k_auto_is_a_setting_of_its_own(tmp_path):
     s = _parse_settings([{"draft": "ngram", "k": ["auto", 4]}], "cfg.yaml")
     assert [x.k for x in s] == [K_AUTO, 4]
     assert s[0].key == "ngram|auto" and s[0].label == "ngram K=auto" and s[1].key == "ngram|4"
+
+
+def test_kv_cache_reaches_the_generator():
+    """kv_cache: float16 in a run config builds generators with a float16 cache (the
+    handler passes it on); the default stays float32."""
+    from pipelines.handler import generator_spec
+
+    cfg = make(kv_cache="float16")
+    assert cfg.kv_cache == "float16"
+    assert {generator_spec(cfg, s).kv_cache for s in cfg.settings} == {"float16"}
+    assert {generator_spec(make(), s).kv_cache for s in make().settings} == {"float32"}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from specsamp.commands.common import (
-    add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
+    add_kv_cache_arg, add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
 )
 from specsamp.errors import UserError
 
@@ -45,6 +46,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
     add_weights_arg(p, many=True)
+    add_kv_cache_arg(p, many=True)
     p.add_argument("--throughput", action="store_true",
                    help="tokens/s of a batch job per batch size, K and batching (EOS on)")
     p.add_argument("--batch-size", type=_list(int), default=[1, 8, 32],
@@ -95,11 +97,11 @@ def run(args) -> int:
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
     loaded = {}
 
-    def maker(weights):
+    def maker(weights, kv_cache):
         def make(draft, k, sp):
             spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
                                  max_new_tokens=args.max_new_tokens, weights=weights,
-                                 tensor_parallel=args.tensor_parallel)
+                                 tensor_parallel=args.tensor_parallel, kv_cache=kv_cache)
             if not loaded:
                 status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
             gen = load_generator(spec)
@@ -108,16 +110,17 @@ def run(args) -> int:
         return make
 
     status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats, "
-           f"weights {','.join(args.weights)}, tensor parallel {args.tensor_parallel}")
+           f"weights {','.join(args.weights)}, KV cache {','.join(args.kv_cache)}, "
+           f"tensor parallel {args.tensor_parallel}")
     stream = streaming_bandwidth()
     groups = []
-    for weights in args.weights:
-        make = maker(weights)
+    for weights, kv_cache in itertools.product(args.weights, args.kv_cache):
+        make = maker(weights, kv_cache)
         rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed,
                          log=status)
         gen = make("none", 1, samplings[0])  # already loaded: the baseline of this group
         add_traffic(rows, weights, _step_bytes(gen), stream)
-        groups.append(rows)
+        groups.append([{**r, "kv_cache": kv_cache} for r in rows])
     for rows in groups:
         _print(rows, args.json, lambda rs: traffic_line(rs) + "\n" + format_table(rs))
     return 0
@@ -164,14 +167,17 @@ def run_throughput_command(args) -> int:
     status(f"this machine streams {machine.gb_per_s:.1f} GB/s and multiplies float32 matrices "
            f"at {machine.gflop_per_s:.0f} GFLOP/s")
     rows = []
-    for weights in args.weights:
-        def load(draft, k, weights=weights):
+    for weights, kv_cache in itertools.product(args.weights, args.kv_cache):
+        def load(draft, k, weights=weights, kv_cache=kv_cache):
             return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
                                                 chat=chat, max_new_tokens=args.max_new_tokens,
-                                                weights=weights,
+                                                weights=weights, kv_cache=kv_cache,
                                                 tensor_parallel=args.tensor_parallel))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status, machine=machine, repeats=repeats)
-        rows += [{**r, "weights": weights} for r in group]
-    return _print(rows, args.json, format_throughput)
+        rows += [{**r, "weights": weights, "kv_cache": kv_cache} for r in group]
+    return _print(rows, args.json, lambda rs: "\n\n".join(
+        f"weights {w}, KV cache {c}:\n" + format_throughput(
+            [r for r in rs if (r["weights"], r["kv_cache"]) == (w, c)])
+        for w, c in dict.fromkeys((r["weights"], r["kv_cache"]) for r in rs)))

@@ -22,36 +22,57 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per loop (default 4), or 'auto': chosen per chunk of rounds "
                         "from measured costs and running acceptance")
     add_weights_arg(g)
+    add_kv_cache_arg(g)
 
 
-WEIGHTS_HELP = ("weights: 'stored' (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, the same model at "
-                "a quarter of the bytes), 'float32', or 'int8' (per-channel weight-only: a "
-                "slightly different model) (default: stored)")
+def _choice_arg(g, flag: str, many: bool, choices, default: str, what: str, help_one: str,
+                help_many: str) -> None:
+    """--flag taking one of `choices` (a string), or with many=True a comma-separated list
+    of them (a list, for benches that compare them in one process)."""
+    def parse_many(text: str) -> list[str]:
+        items = [w.strip() for w in text.split(",") if w.strip()]
+        if not items or any(w not in choices() for w in items):
+            raise argparse.ArgumentTypeError(
+                f"{what} must be among {', '.join(choices())}, got {text!r}")
+        return list(dict.fromkeys(items))
+
+    def parse_one(text: str) -> str:
+        items = parse_many(text)
+        if len(items) != 1:
+            raise argparse.ArgumentTypeError(f"one {what} value here, got {text!r}")
+        return items[0]
+
+    if many:
+        g.add_argument(flag, type=parse_many, default=[default], help=help_many)
+    else:
+        g.add_argument(flag, type=parse_one, default=default, help=help_one)
+
+
+def _kv_caches():
+    from specsamp.decoding.config import KV_CACHES
+
+    return KV_CACHES
+
+
+def _weights():
+    from specsamp.loading import WEIGHTS
+
+    return WEIGHTS
+
+
+def add_kv_cache_arg(g, many: bool = False) -> None:
+    what = ("'float32' (default) or 'float16' (half the memory and faster attention at large "
+            "batches; keys and values rounded to half)")
+    _choice_arg(g, "--kv-cache", many, _kv_caches, "float32", "kv cache",
+                "what the target's KV cache holds: " + what, "KV cache types, e.g. float32,float16: " + what)
 
 
 def add_weights_arg(g, many: bool = False) -> None:
-    if many:
-        g.add_argument("--weights", type=weights_list, default=["stored"],
-                       help=WEIGHTS_HELP.replace("weights:", "weight formats, e.g. stored,float32:"))
-    else:
-        g.add_argument("--weights", default="stored", type=weights_list_one, help=WEIGHTS_HELP)
-
-
-def weights_list(text: str) -> list[str]:
-    from specsamp.loading import WEIGHTS
-
-    items = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in items if w not in WEIGHTS]
-    if bad or not items:
-        raise argparse.ArgumentTypeError(f"weights must be among {', '.join(WEIGHTS)}, got {text!r}")
-    return list(dict.fromkeys(items))
-
-
-def weights_list_one(text: str) -> str:
-    items = weights_list(text)
-    if len(items) != 1:
-        raise argparse.ArgumentTypeError(f"one weight format here, got {text!r}")
-    return items[0]
+    what = ("'stored' (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, the same model at a quarter of "
+            "the bytes), 'float32', or 'int8' (per-channel weight-only: a slightly different "
+            "model) (default: stored)")
+    _choice_arg(g, "--weights", many, _weights, "stored", "weights", "weights: " + what,
+                "weight formats, e.g. stored,float32: " + what)
 
 
 def k_value(text: str):
@@ -98,6 +119,7 @@ def spec_from(args, draft: str | None = None, k: int | None = None, sampling=Non
         sampling=sampling or sampling_from(args),
         max_new_tokens=args.max_new_tokens,
         weights=args.weights,
+        kv_cache=args.kv_cache,
         **extra,
     )
 

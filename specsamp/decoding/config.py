@@ -51,6 +51,19 @@ def check_k(k: int) -> int:
     return k
 
 
+# What the target's KV cache holds: float32, or float16 (half the memory; at batch 32 the
+# cache attention is bound by reading it, `docs/throughput.md`). Keys and values are
+# rounded to the cache's type when written; every sample depends on it as on the weights,
+# and speculative and plain sampling with the same cache give the same outputs.
+KV_CACHES = ("float32", "float16")
+
+
+def check_kv_cache(kv_cache: str) -> str:
+    if kv_cache not in KV_CACHES:
+        raise UserError(f"kv cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    return kv_cache
+
+
 def check_max_new_tokens(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise UserError(f"max-new-tokens must be an integer >= 1, got {n!r}")

@@ -29,6 +29,7 @@ class Program:
     target: ModelConfig
     sampling: SamplingParams
     drafter: Drafter | None = None  # None: autoregressive baseline
+    kv_cache: str = "float32"  # the target cache's type (`config.KV_CACHES`)
 
     @property
     def k(self) -> int:
@@ -60,7 +61,7 @@ def new_state(
         round_accepted=jnp.full((b, max_new), -1, jnp.int32),
         round_draft_calls=jnp.zeros((b, max_new), jnp.int32),
         round_drafted=jnp.zeros((b, max_new), jnp.int32),
-        target_cache=init_cache(prog.target, b, slots),
+        target_cache=init_cache(prog.target, b, slots, jnp.dtype(prog.kv_cache)),
         draft=prog.drafter.init_state(b, slots) if prog.drafter is not None else None,
     )
 

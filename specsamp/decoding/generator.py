@@ -14,7 +14,9 @@ from typing import Callable, Sequence
 
 import jax
 
-from specsamp.decoding.config import SamplingParams, check_k, check_max_new_tokens, parse_draft, seed_for
+from specsamp.decoding.config import (
+    SamplingParams, check_k, check_kv_cache, check_max_new_tokens, parse_draft, seed_for,
+)
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
 from specsamp.decoding.factory import build_drafter, file_loader, resolve_auto
@@ -34,7 +36,9 @@ class GeneratorSpec:
     a feature draft (or a shipped draft's name, `specsamp.decoding.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
     weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
-    `specsamp.loading`), for the target and a separate draft model alike.
+    `specsamp.loading`), for the target and a separate draft model alike. kv_cache: what
+    the target's KV cache holds, 'float32' or 'float16' (half the memory, faster attention
+    at large batches; keys and values rounded to half, a slightly different model).
     tensor_parallel: split the target over this many of the worker's devices
     (`specsamp.models.sharding`); the draft runs on the same devices, replicated (an
     early-exit draft shares the target's split weights)."""
@@ -54,6 +58,7 @@ class GeneratorSpec:
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
     tensor_parallel: int = 1
+    kv_cache: str = "float32"
 
     def __post_init__(self):
         if self.k != K_AUTO:
@@ -70,6 +75,7 @@ class GeneratorSpec:
 
         check_weights(self.weights)
         check_tensor_parallel(self.tensor_parallel)
+        check_kv_cache(self.kv_cache)
 
     @property
     def mode(self) -> str:
@@ -118,7 +124,7 @@ class Generator:
                                                    load, self.mesh,
                                                    wide=WIDE_LOOKUP if spec.k == K_AUTO else 0)
         self.engine = Engine(
-            Program(cfg, spec.sampling, self.drafter), self.target.params, draft_params,
+            Program(cfg, spec.sampling, self.drafter, spec.kv_cache), self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
             rounds_per_call=16 if spec.stop else 1 << 30, mesh=self.mesh,
         )

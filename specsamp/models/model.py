@@ -45,7 +45,7 @@ class Model:
     def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
         """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
         the cache with this call's keys/values written at `positions`)."""
-        attention = self.attention if cache.k.dtype == jnp.float32 else "xla"
+        attention = self.attention if cache.k.dtype in (jnp.float32, jnp.float16) else "xla"
         return Transformer(self.cfg, attention).apply(
             {"params": params}, tokens, positions, cache, head=head)
 

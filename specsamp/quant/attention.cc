@@ -12,6 +12,12 @@
 // compiled for AVX-512, AVX2 and plain x86-64 and chosen at load time (target_clones).
 // With AVX-512 the query-key scores of 16 slots are reduced side by side (`scores_avx512`):
 // the serial horizontal sum per slot was two thirds of the kernel's time.
+//
+// The cache holds float32 or float16 (IEEE half, stored as uint16_t bits). At batch 32 the
+// kernel is bound by reading the cache (further query heads on the same keys cost little):
+// float16 keys and values took a quarter off its time there, and half the memory. New keys
+// and values are rounded to half to nearest even (as XLA's conversion) and read back as
+// exact floats: all arithmetic stays float32, in the same order for both.
 
 #include <algorithm>
 #include <cstdint>
@@ -56,6 +62,44 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// IEEE half <-> float32, in software (the write, and the portable path; AVX-512 converts
+// 16 at once).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
+                 mant = h & 0x3ff;
+  if (exp == 0) {  // zero or subnormal: mant x 2^-24, exact in float
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits =
+      sign | (exp == 31 ? 0x7f800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rounded to nearest, ties to even; from 65520 on: infinity; nan stays nan.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  x &= 0x7fffffffu;
+  if (x >= 0x47800000u) return sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00);  // >= 65536, inf, nan
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; the float addition rounds
+    float a;
+    std::memcpy(&a, &x, sizeof a);
+    a += 0.5f;  // the last mantissa bit of 0.5 weighs 2^-24, a half subnormal's step
+    uint32_t y;
+    std::memcpy(&y, &a, sizeof y);
+    return sign | static_cast<uint16_t>(y - 0x3f000000u);
+  }
+  x += 0xc8000fffu + ((x >> 13) & 1);  // rebias the exponent (15 - 127), round to even
+  return sign | static_cast<uint16_t>(x >> 13);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return half_to_float(v); }
+
 struct Shape {
   int64_t batch, tokens, heads, kv_heads, slots, dim, layer;
   float scale;
@@ -68,16 +112,22 @@ inline float tree_sum(float* acc) {
   return acc[0];
 }
 
+template <typename KV>  // the cache's element: float, or uint16_t (half)
 struct Fast {  // vector versions of attend_head's loops, where the CPU has them
-  void (*scores)(const float* qs, const float* k, int64_t n, float* out) = nullptr;
-  void (*weighted)(const float* w, const float* v, int64_t n, float inv, float* o) = nullptr;
+  void (*scores)(const float* qs, const KV* k, int64_t n, float* out) = nullptr;
+  void (*weighted)(const float* w, const KV* v, int64_t n, float inv, float* o) = nullptr;
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
-template <int C>  // one slot's 16 lane sums q . key over E = 16 * C, in order
-__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, const float* key) {
-  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-  for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), acc);
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int C, typename KV>  // one slot's 16 lane sums q . key over E = 16 * C, in order
+__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, const KV* key) {
+  __m512 acc = _mm512_mul_ps(qv[0], load16(key));
+  for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(key + 16 * c), acc);
   return acc;
 }
 
@@ -85,9 +135,9 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* qv, con
 // per slot, 16 lane sums over E in order, then tree_sum's order. For 16 slots the trees run
 // side by side (a transposing reduction of 16 vectors into one), so no slot pays a serial
 // horizontal sum; a shorter block (the last) sums each slot alone, in the same order.
-template <int C>
+template <int C, typename KV>
 __attribute__((target("avx512f")))
-void scores_avx512(const float* qs, const float* k, int64_t n, float* out) {
+void scores_avx512(const float* qs, const KV* k, int64_t n, float* out) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs + 16 * c);
   if (n < 16) {
@@ -124,9 +174,9 @@ void scores_avx512(const float* qs, const float* k, int64_t n, float* out) {
 
 // o = (sum over slots i < n of w[i] * v[i]) * inv for values v [n, E], E = 16 * C: even
 // and odd slots in two sums (two dependency chains), added at the end.
-template <int C>
+template <int C, typename KV>
 __attribute__((target("avx512f")))
-void weighted_avx512(const float* w, const float* v, int64_t n, float inv, float* o) {
+void weighted_avx512(const float* w, const KV* v, int64_t n, float inv, float* o) {
   __m512 a[2][C];
   for (int p = 0; p < 2; ++p)
     for (int c = 0; c < C; ++c) a[p][c] = _mm512_setzero_ps();
@@ -135,11 +185,11 @@ void weighted_avx512(const float* w, const float* v, int64_t n, float inv, float
     for (int p = 0; p < 2; ++p) {
       const __m512 wi = _mm512_set1_ps(w[i + p]);
       for (int c = 0; c < C; ++c)
-        a[p][c] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(v + (i + p) * 16 * C + 16 * c), a[p][c]);
+        a[p][c] = _mm512_fmadd_ps(wi, load16(v + (i + p) * 16 * C + 16 * c), a[p][c]);
     }
   if (i < n) {  // an even slot
     const __m512 wi = _mm512_set1_ps(w[i]);
-    for (int c = 0; c < C; ++c) a[0][c] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(v + i * 16 * C + 16 * c), a[0][c]);
+    for (int c = 0; c < C; ++c) a[0][c] = _mm512_fmadd_ps(wi, load16(v + i * 16 * C + 16 * c), a[0][c]);
   }
   const __m512 scale = _mm512_set1_ps(inv);
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(a[0][c], a[1][c]), scale));
@@ -148,29 +198,32 @@ void weighted_avx512(const float* w, const float* v, int64_t n, float inv, float
 // The AVX-512 scores and weighted sums for head width E (a multiple of 16 up to 128), or
 // nulls: the portable loops, same order (also where SPECSAMP_ISA caps the kernels below
 // AVX-512).
-Fast pick_fast(int64_t E) {
+template <typename KV>
+Fast<KV> pick_fast(int64_t E) {
   if (specsamp::isa() < 2 || E % 16) return {};
   switch (E / 16) {
-    case 1: return {scores_avx512<1>, weighted_avx512<1>};
-    case 2: return {scores_avx512<2>, weighted_avx512<2>};
-    case 3: return {scores_avx512<3>, weighted_avx512<3>};
-    case 4: return {scores_avx512<4>, weighted_avx512<4>};
-    case 5: return {scores_avx512<5>, weighted_avx512<5>};
-    case 6: return {scores_avx512<6>, weighted_avx512<6>};
-    case 7: return {scores_avx512<7>, weighted_avx512<7>};
-    case 8: return {scores_avx512<8>, weighted_avx512<8>};
+    case 1: return {scores_avx512<1, KV>, weighted_avx512<1, KV>};
+    case 2: return {scores_avx512<2, KV>, weighted_avx512<2, KV>};
+    case 3: return {scores_avx512<3, KV>, weighted_avx512<3, KV>};
+    case 4: return {scores_avx512<4, KV>, weighted_avx512<4, KV>};
+    case 5: return {scores_avx512<5, KV>, weighted_avx512<5, KV>};
+    case 6: return {scores_avx512<6, KV>, weighted_avx512<6, KV>};
+    case 7: return {scores_avx512<7, KV>, weighted_avx512<7, KV>};
+    case 8: return {scores_avx512<8, KV>, weighted_avx512<8, KV>};
     default: return {};
   }
 }
 #else
-Fast pick_fast(int64_t) { return {}; }
+template <typename KV>
+Fast<KV> pick_fast(int64_t) { return {}; }
 #endif
 
 // Queries of one (row b, query head h): T tokens. kc, vc: its KV head's [S, E] blocks;
 // scores is scratch [S + 16].
+template <typename KV>
 SPECSAMP_CLONES
 void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int32_t* pos,
-                 const float* kc, const float* vc, float* out, float* scores, Fast fast) {
+                 const KV* kc, const KV* vc, float* out, float* scores, Fast<KV> fast) {
   const int64_t E = s.dim;
   for (int64_t t = 0; t < s.tokens; ++t) {
     const int64_t last = std::min<int64_t>(std::max<int32_t>(pos[b * s.tokens + t], 0), s.slots - 1);
@@ -182,12 +235,12 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
         fast.scores(qs, kc + slot * E, std::min<int64_t>(16, last + 1 - slot), scores + slot);
     } else {
       for (int64_t slot = 0; slot <= last; ++slot) {
-        const float* kv = kc + slot * E;
+        const KV* kv = kc + slot * E;
         float acc[kLanes] = {0};
         int64_t e0 = 0;
         for (; e0 + kLanes <= E; e0 += kLanes)
-          for (int l = 0; l < kLanes; ++l) acc[l] += qs[e0 + l] * kv[e0 + l];
-        for (int l = 0; e0 + l < E; ++l) acc[l] += qs[e0 + l] * kv[e0 + l];
+          for (int l = 0; l < kLanes; ++l) acc[l] += qs[e0 + l] * to_float(kv[e0 + l]);
+        for (int l = 0; e0 + l < E; ++l) acc[l] += qs[e0 + l] * to_float(kv[e0 + l]);
         scores[slot] = tree_sum(acc);
       }
     }
@@ -214,23 +267,29 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
     float acc[2][256] = {};  // even and odd slots, as weighted_avx512 sums them
     for (int64_t sl = 0; sl <= last; ++sl) {
       const float w = scores[sl];
-      const float* vv = vc + sl * E;
+      const KV* vv = vc + sl * E;
       float* a = acc[sl & 1];
-      for (int64_t e = 0; e < E; ++e) a[e] += w * vv[e];
+      for (int64_t e = 0; e < E; ++e) a[e] += w * to_float(vv[e]);
     }
     for (int64_t e = 0; e < E; ++e) o[e] = (acc[0][e] + acc[1][e]) * inv;
   }
 }
 
+inline void store(const float* from, int64_t n, float* to) { std::memcpy(to, from, n * sizeof(float)); }
+inline void store(const float* from, int64_t n, uint16_t* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = float_to_half(from[i]);
+}
+
 // Write new [B, T, J, E] at each token's position into cache [L, B, J, S, E], layer s.layer.
-void write_cache(const Shape& s, const float* fresh, const int32_t* pos, float* cache) {
+template <typename KV>
+void write_cache(const Shape& s, const float* fresh, const int32_t* pos, KV* cache) {
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t t = 0; t < s.tokens; ++t) {
       const int64_t p = pos[b * s.tokens + t];
       if (p < 0 || p >= s.slots) continue;
       for (int64_t j = 0; j < s.kv_heads; ++j)
-        std::memcpy(cache + (((s.layer * s.batch + b) * s.kv_heads + j) * s.slots + p) * s.dim,
-                    fresh + ((b * s.tokens + t) * s.kv_heads + j) * s.dim, s.dim * sizeof(float));
+        store(fresh + ((b * s.tokens + t) * s.kv_heads + j) * s.dim, s.dim,
+              cache + (((s.layer * s.batch + b) * s.kv_heads + j) * s.slots + p) * s.dim);
     }
 }
 
@@ -238,43 +297,20 @@ void write_cache(const Shape& s, const float* fresh, const int32_t* pos, float* 
 // evenly between two cores; one row's 3 did not.
 constexpr int64_t kGroupedItems = 6;
 
-ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
-                      ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                      ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> k_cache,
-                      ffi::Buffer<ffi::F32> v_cache, float scale,
-                      ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
-                      ffi::ResultBuffer<ffi::F32> v_out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), cd = k_cache.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || cd.size() != 5 || qd[0] != kd[0] || qd[1] != kd[1] ||
-      kd[2] != cd[2] || kd[3] != cd[4] || qd[3] != cd[4] || cd[1] != qd[0] || qd[2] % kd[2] ||
-      qd[3] > 256 || positions.element_count() != qd[0] * qd[1] ||
-      v_cache.element_count() != k_cache.element_count() || v.element_count() != k.element_count())
-    return ffi::Error::InvalidArgument(
-        "attention: expected q [B, T, H, E], k/v [B, T, J, E], caches [L, B, J, S, E], "
-        "positions [B, T], E up to 256");
-  Shape s{qd[0], qd[1], qd[2], kd[2], cd[3], cd[4], *layer.typed_data(), scale};
-  if (s.layer < 0 || s.layer >= cd[0])
-    return ffi::Error::InvalidArgument("attention: layer index out of range");
-  // The caches are aliased to the outputs; should XLA have given separate buffers, start
-  // from a copy (correct, only slower).
-  const size_t bytes = k_cache.element_count() * sizeof(float);
-  if (k_out->typed_data() != k_cache.typed_data())
-    std::memcpy(k_out->typed_data(), k_cache.typed_data(), bytes);
-  if (v_out->typed_data() != v_cache.typed_data())
-    std::memcpy(v_out->typed_data(), v_cache.typed_data(), bytes);
-  const int32_t* pos = positions.typed_data();
-  write_cache(s, k.typed_data(), pos, k_out->typed_data());
-  write_cache(s, v.typed_data(), pos, v_out->typed_data());
-
+// Writes this call's keys/values into caches of element KV (the aliased outputs) and
+// attends.
+template <typename KV>
+void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* queries, const float* k,
+                const float* v, const int32_t* pos, KV* kc, KV* vc, float* o) {
+  write_cache(s, k, pos, kc);
+  write_cache(s, v, pos, vc);
   // Work items, split between the caller and the pool (parallel.h). With few rows, one
   // item per (row, query head): one row's 9 heads keep two cores busy where its 3 KV heads
   // did not. With more, one item per (row, KV head) running the heads that share it one
   // after the other: their keys and values come from memory once and stay in the core's
   // cache for the next head (items per query head had two cores fetch the same keys at
   // once). Each head's arithmetic is the same either way.
-  const float *queries = q.typed_data(), *kc = k_out->typed_data(), *vc = v_out->typed_data();
-  float* o = out->typed_data();
-  const Fast fast = pick_fast(s.dim);
+  const Fast<KV> fast = pick_fast<KV>(s.dim);
   const int64_t g_per = s.heads / s.kv_heads;
   const int64_t group = s.batch * s.kv_heads >= kGroupedItems ? g_per : 1;
   specsamp::parallel_for(pool, s.batch * s.heads / group, [&](int64_t i) {
@@ -285,6 +321,44 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
     for (int64_t h = h0; h < h0 + group; ++h)
       attend_head(s, b, h, queries, pos, kc + at, vc + at, o, scores.data(), fast);
   });
+}
+
+ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
+                      ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                      ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer k_cache,
+                      ffi::AnyBuffer v_cache, float scale,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                      ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), cd = k_cache.dimensions();
+  const ffi::DataType type = k_cache.element_type();
+  if (qd.size() != 4 || kd.size() != 4 || cd.size() != 5 || qd[0] != kd[0] || qd[1] != kd[1] ||
+      kd[2] != cd[2] || kd[3] != cd[4] || qd[3] != cd[4] || cd[1] != qd[0] || qd[2] % kd[2] ||
+      qd[3] > 256 || positions.element_count() != qd[0] * qd[1] ||
+      (type != ffi::DataType::F32 && type != ffi::DataType::F16) ||
+      v_cache.element_type() != type || k_out->element_type() != type ||
+      v_out->element_type() != type ||
+      v_cache.element_count() != k_cache.element_count() || v.element_count() != k.element_count())
+    return ffi::Error::InvalidArgument(
+        "attention: expected q [B, T, H, E], k/v [B, T, J, E], caches [L, B, J, S, E] both "
+        "float32 or both float16, positions [B, T], E up to 256");
+  Shape s{qd[0], qd[1], qd[2], kd[2], cd[3], cd[4], *layer.typed_data(), scale};
+  if (s.layer < 0 || s.layer >= cd[0])
+    return ffi::Error::InvalidArgument("attention: layer index out of range");
+  // The caches are aliased to the outputs; should XLA have given separate buffers, start
+  // from a copy (correct, only slower).
+  const size_t bytes = k_cache.size_bytes();
+  if (k_out->untyped_data() != k_cache.untyped_data())
+    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), bytes);
+  if (v_out->untyped_data() != v_cache.untyped_data())
+    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), bytes);
+  if (type == ffi::DataType::F32)
+    attend_all(pool, s, q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
+               static_cast<float*>(k_out->untyped_data()),
+               static_cast<float*>(v_out->untyped_data()), out->typed_data());
+  else
+    attend_all(pool, s, q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
+               static_cast<uint16_t*>(k_out->untyped_data()),
+               static_cast<uint16_t*>(v_out->untyped_data()), out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -298,9 +372,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampAttend, AttendImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

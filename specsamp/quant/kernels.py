@@ -160,10 +160,11 @@ def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float):
     """One layer's cache write and attention on the kernel (attention.cc).
 
     q [B, T, H, E], k/v [B, T, J, E] (this call's, rotated), positions [B, T], caches
-    [L, B, J, S, E] float32. Returns (out [B, T, H, E], k_cache, v_cache) with this call's
-    keys/values written at layer `layer`; the caches are updated in place (aliased)."""
+    [L, B, J, S, E] float32 or float16 (both alike). Returns (out [B, T, H, E], k_cache,
+    v_cache) with this call's keys/values written at layer `layer` (rounded to the cache's
+    type); the caches are updated in place (aliased)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    cache = jax.ShapeDtypeStruct(k_cache.shape, jnp.float32)
+    cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     call = jax.ffi.ffi_call("specsamp_attend", (out, cache, cache),
                             input_output_aliases={5: 1, 6: 2})
     return call(jnp.asarray(layer, jnp.int32), q.astype(jnp.float32), k.astype(jnp.float32),
