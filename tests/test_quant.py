@@ -232,6 +232,32 @@ def test_tile_layout_reads_as_the_gguf_one(kind):
     assert take_rows(tiled, head_ids[:5], transposed=False).layout == "gguf"
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_tile_products_within_the_limbs_bound(kind):
+    """Catches limbs that hold less of x than documented (amx.h: each row as integers below
+    2^22 times a power of two, an error of at most 2^-22 of the row's largest |x|): every
+    product on the tile path is within that rounding's bound, sum_k 2^-22 max|x_r| |w_nk|,
+    plus float32's own rounding of the sums, of the float64 product; rows of very
+    different scales, one with a single large input (the others are rounded against it)."""
+    _kernel_or_skip()
+    if not kernels.amx():
+        pytest.skip(f"no AMX here ({kernels.isa()})")
+    n, c = 64, 256
+    fields = from_gguf_blocks(random_blocks(kind, n, c, seed=50), kind, n, c)
+    w = qweight(fields, "cpu")
+    assert w.layout == "tiles"
+    x = np.random.default_rng(11).normal(size=(7, c)).astype(np.float32)
+    x *= np.float32(10.0) ** np.arange(-3, 4, dtype=np.float32)[:, None]
+    x[2, 5] = 1000.0
+    ref = np.asarray(dequantize(qweight(fields, "xla")), np.float64)
+    want = x.astype(np.float64) @ ref.T
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), w), np.float64)
+    absw = np.abs(ref).sum(axis=1)[None, :]
+    limbs = 2.0 ** -22 * np.abs(x).max(axis=1, keepdims=True) * absw
+    rounding = 2.0 ** -24 * c * (np.abs(x).astype(np.float64) @ np.abs(ref).T)
+    assert (np.abs(got - want) <= limbs + rounding).all()
+
+
 def test_tile_path_where_amx():
     """On an AMX machine the loader puts Q4 / Q8_0 matrices of whole groups of 16 outputs
     in the tile layout (else the tests above would not run the tile kernels there), and

@@ -7,11 +7,14 @@
 // rows in one instruction, so further rows cost almost nothing, and the codes go to the tile
 // unit as bytes, with no conversion to float.
 //
-// The numbers: x's rows stay float32 in meaning. Each row r is written exactly as
-// s_r * X_r with s_r a power of two and X_r integers below 2^30 in magnitude (the only
-// rounding: X = round(x / s_r), an absolute error of at most 2^-31 of the row's largest
-// |x|, far below float32's own rounding of the sums), and X as four signed bytes
-// X = l0 + 2^8 l1 + 2^16 l2 + 2^24 l3 (limbs). The tile unit sums code x limb over a block
+// The numbers: x's rows stay float32 in meaning. Each row r is written as s_r * X_r with
+// s_r a power of two and X_r integers below 2^22 in magnitude (the only rounding:
+// X = round(x / s_r), an absolute error of at most 2^-22 of the row's largest |x|, where
+// float32 itself holds that input to within 2^-24 of it), and X as three signed bytes
+// X = l0 + 2^8 l1 + 2^16 l2 (limbs). Four limbs (X below 2^30, exact far below float32's
+// rounding) cost a third more tile traffic per row, and moving tiles bounds calls of many
+// rows: three took 11-15% off a 3072 x 576 product at 32 and 384 rows, 25% at 5 and 10.
+// The tile unit sums code x limb over a block
 // of 32 inputs exactly (int32); per block and output the float accumulator takes
 // scale * that sum, per limb, and the limbs and s_r are combined at the end:
 //   y[r, n] = s_r * sum_l 2^(8 l) sum_b d[n, b] C_l[r, n, b]  (+ sum_b m[n, b] S[r, b], Q4_1)
@@ -77,7 +80,7 @@ struct alignas(64) TileConfig {
 
 // Tiles 0, 1: sums [rows, 16 outputs] int32; 2, 3: limbs [rows, 32 inputs]; 4: codes
 // [8 rows of 4 inputs, 16 outputs x 4]. `m0`, `m1`: the rows of tiles 0 / 2 and 1 / 3
-// (rows 0-3 and 4-7 of a pass of x, 4 limbs each).
+// (rows 0-4 and 5-9 of a pass of x, 3 limbs each).
 inline void configure(int m0, int m1) {
   TileConfig cfg;
   for (int t = 0; t < 2; ++t) {
@@ -91,13 +94,15 @@ inline void configure(int m0, int m1) {
 
 inline void release() { __asm__ volatile("tilerelease" ::); }
 
-constexpr int kRows = 4;   // rows of x per tile: 4 limbs each fill its 16 rows
-constexpr int kMaxRows = 8;  // rows of x per pass over the weights: two tiles
+constexpr int kLimbs = 3;  // limbs per row of x
+constexpr int kRows = 5;   // rows of x per tile: 3 limbs each fill 15 of its 16 rows
+constexpr int kMaxRows = 10;  // rows of x per pass over the weights: two tiles
 constexpr int kPrefetchBlocks = 8;
 constexpr int kAhead = 4;  // q4 blocks unpacked ahead of their tile load
 
 // x [rows, cols] as limbs for the tiles: limbs [passes][nb][16][32] (pass p holds rows
-// 4p..4p+3, row 4 r' + l = limb l of its row r'), sums [rows][nb], scale [rows].
+// 5p..5p+4, row 3 r' + l = limb l of its row r'; row 15 unused), sums [rows][nb], scale
+// [rows].
 struct Limbs {
   const int8_t* limbs;
   const float* sums;
@@ -121,18 +126,18 @@ inline void prepare_row(const float* x, int64_t cols, int8_t* limbs, int64_t r, 
   for (int i = 0; i < 16; ++i) top = std::max(top, lanes[i]), check += checks[i];
   int e = 0;
   if (top > 0 && std::isfinite(top)) std::frexp(top, &e);  // top < 2^e
-  const int k = 30 - e;                                      // |x| 2^k < 2^30
+  const int k = 22 - e;                                      // |x| 2^k < 2^22
   // A row with an inf or nan gives nan outputs (as the float path would give inf or nan).
   scale[r] = std::isnan(check) ? check : std::ldexp(1.0f, -k);
   const __m512 shift = _mm512_set1_ps(static_cast<float>(k));
-  int8_t* base = limbs + (r / kRows) * nb * 16 * 32 + (r % kRows) * 4 * 32;
+  int8_t* base = limbs + (r / kRows) * nb * 16 * 32 + (r % kRows) * kLimbs * 32;
   for (int64_t b = 0; b < nb; ++b) {
     __m512 s = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h) {
       const __m512 v = _mm512_loadu_ps(x + b * 32 + h * 16);
       s = _mm512_add_ps(s, v);
       __m512i big = _mm512_cvtps_epi32(_mm512_scalef_ps(v, shift));  // exact: x 2^k, rounded
-      for (int l = 0; l < 4; ++l) {
+      for (int l = 0; l < kLimbs; ++l) {
         const __m512i limb = _mm512_srai_epi32(_mm512_slli_epi32(big, 24), 24);  // in [-128, 127]
         _mm_storeu_si128(reinterpret_cast<__m128i*>(base + b * 16 * 32 + l * 32 + h * 16),
                          _mm512_cvtepi32_epi8(limb));
@@ -143,18 +148,17 @@ inline void prepare_row(const float* x, int64_t cols, int8_t* limbs, int64_t r, 
   }
 }
 
-// A tile's stored sums (4 limb rows per row of x) into the rows' accumulators: per row
-// the limbs in pairs, lo = C0 + 2^8 C1 and hi = C2 + 2^8 C3, exact in int32 (and in float
-// for q4: |C| <= 32 x 15 x 128, so |lo| < 2^24; q8's are rounded to float32, as its
-// float sums would be), then 2^16 hi + lo, times the block's scales.
+// A tile's stored sums (3 limb rows per row of x) into the rows' accumulators: per row
+// lo = C0 + 2^8 C1, exact in int32 (and in float for q4: |C| <= 32 x 15 x 128, so
+// |lo| < 2^24; q8's are rounded to float32, as its float sums would be), then
+// 2^16 C2 + lo, times the block's scales.
 template <int Count>
 __attribute__((target("avx512f,fma")))
 inline void accumulate(const int32_t (*sums)[16], __m512 d, __m512* acc) {
   for (int r = 0; r < Count; ++r) {
-    const __m512i lo = _mm512_add_epi32(_mm512_load_si512(sums[4 * r]),
-                                        _mm512_slli_epi32(_mm512_load_si512(sums[4 * r + 1]), 8));
-    const __m512i hi = _mm512_add_epi32(_mm512_load_si512(sums[4 * r + 2]),
-                                        _mm512_slli_epi32(_mm512_load_si512(sums[4 * r + 3]), 8));
+    const __m512i lo = _mm512_add_epi32(_mm512_load_si512(sums[3 * r]),
+                                        _mm512_slli_epi32(_mm512_load_si512(sums[3 * r + 1]), 8));
+    const __m512i hi = _mm512_load_si512(sums[3 * r + 2]);
     const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
                                          _mm512_cvtepi32_ps(lo));
     acc[r] = _mm512_fmadd_ps(block, d, acc[r]);
@@ -174,7 +178,7 @@ __attribute__((target("avx512f,avx512bw,f16c,fma")))
 void product(const uint8_t* codes, const uint16_t* scale, const uint16_t* minimum, int64_t cols,
              int64_t n, const Limbs& in, int64_t r0, float* y, int64_t g0, int64_t g1) {
   static_assert(R >= 1 && R <= kMaxRows);
-  constexpr bool two = R > kRows;  // rows 4-7 in a second tile of limbs and sums
+  constexpr bool two = R > kRows;  // rows 5-9 in a second tile of limbs and sums
   constexpr int R0 = two ? kRows : R, R1 = two ? R - kRows : 0;
   const int64_t nb = cols / 32;
   constexpr int64_t kGroupBytes = Q4 ? 256 : 512;
@@ -198,7 +202,7 @@ void product(const uint8_t* codes, const uint16_t* scale, const uint16_t* minimu
   };
   if constexpr (Q4)
     for (int64_t t = 0; t < std::min<int64_t>(kAhead, steps); ++t) unpack(t);
-  configure(4 * R0, 4 * (two ? R1 : R0));
+  configure(kLimbs * R0, kLimbs * (two ? R1 : R0));
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[R], accm[R];
     for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();

@@ -349,9 +349,9 @@ void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
       case 6: return name<6>(p, n0, n1, r0);                                           \
       case 7: return name<7>(p, n0, n1, r0);                                           \
       case 8: return name<8>(p, n0, n1, r0);                                           \
-      case 9: return name<(most > 8 ? 9 : 8)>(p, n0, n1, r0);                          \
-      case 10: return name<(most > 8 ? 10 : 8)>(p, n0, n1, r0);                        \
-      case 11: return name<(most > 8 ? 11 : 8)>(p, n0, n1, r0);                        \
+      case 9: return name<(most >= 9 ? 9 : most)>(p, n0, n1, r0);                          \
+      case 10: return name<(most >= 10 ? 10 : most)>(p, n0, n1, r0);                        \
+      case 11: return name<(most >= 11 ? 11 : most)>(p, n0, n1, r0);                        \
       default: return name<most>(p, n0, n1, r0);                                       \
     }                                                                                  \
   }
@@ -361,7 +361,7 @@ SPECSAMP_DISPATCH(q4_avx2, 8)
 SPECSAMP_DISPATCH(q8_avx2, 8)
 
 #ifdef SPECSAMP_AMX
-// Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, up to 8 rows
+// Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, up to 10 rows
 // of x a pass (two tiles of limbs, prepared once per call in p.limbs).
 template <int NR, bool Q4>
 void amx_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
@@ -372,8 +372,8 @@ template <int NR>
 void amx_q4(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, true>(p, n0, n1, r0); }
 template <int NR>
 void amx_q8(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, false>(p, n0, n1, r0); }
-SPECSAMP_DISPATCH(amx_q4, 8)
-SPECSAMP_DISPATCH(amx_q8, 8)
+SPECSAMP_DISPATCH(amx_q4, 10)
+SPECSAMP_DISPATCH(amx_q8, 10)
 #endif
 
 // Rows r0..r1 of outputs n0..n1 (at most 64, a multiple of 16) on the many-row path
@@ -486,8 +486,8 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
     firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.block, p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
-  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 8 that start at
-  // multiples of 4, as x's limb tiles do)
+  // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 10 that start at
+  // multiples of 5, as x's limb tiles do)
   constexpr int64_t row_block = 60;
   const int64_t rows = problems.front().rows, blocks = (rows + row_block - 1) / row_block;
   specsamp::parallel_for(pool, blocks * chunks, [&](int64_t item) {
