@@ -105,6 +105,10 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
             with pytest.raises(AssertionError, match="measured again"):
                 costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128)
         assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
+    # the target's steps cost other times over a float16 cache
+    with pytest.raises(AssertionError, match="measured again"):
+        costs.cost_curve(make_engine(SamplingParams(0.0), "model", 4, kv_cache="float16"),
+                         batch=2, ks=(0, 2), slots=128)
 
 
 

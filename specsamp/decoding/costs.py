@@ -48,9 +48,11 @@ def _plain(cfg: ModelConfig):
     return ModelDrafter(cfg, 1, SamplingParams())
 
 
-def _timer(model, params, tokens_per_call: int, slots: int, batch: int = 1):
-    """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`."""
-    cache = init_cache(model.cfg, batch, slots)
+def _timer(model, params, tokens_per_call: int, slots: int, batch: int = 1,
+           kv_cache: str = "float32"):
+    """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`;
+    kv_cache: the type its cache holds (`config.KV_CACHES`)."""
+    cache = init_cache(model.cfg, batch, slots, jnp.dtype(kv_cache))
     tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
     positions = jnp.broadcast_to(100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None],
                                  (batch, tokens_per_call))
@@ -104,7 +106,7 @@ def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
     # the native kernels' build and the code they run too (SPECSAMP_ISA may cap it): a
     # rebuilt or capped kernel changes every cost
     ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
-                  library_digest(), isa(), engine.prog.target,
+                  library_digest(), isa(), engine.prog.target, engine.prog.kv_cache,
                   drafter.with_k(1) if drafter is not None else None,
                   batch, slots, sorted(tokens)))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
@@ -123,7 +125,8 @@ def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int =
         return CostCurve(batch, {int(t): s for t, s in raw["score"].items()}, raw["draft"])
 
     plain = _plain(engine.prog.target)
-    timers = {t: _timer(plain, engine.target_params, t, slots, batch) for t in tokens}
+    timers = {t: _timer(plain, engine.target_params, t, slots, batch, engine.prog.kv_cache)
+              for t in tokens}  # (a draft model's own cache stays float32)
     drafter = engine.prog.drafter
     if drafter is not None and drafter.uses_cache:
         timers["draft"] = _timer(drafter, engine.draft_params, 1, slots, batch)
