@@ -26,6 +26,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu.h"
+#include "half.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -62,43 +63,8 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
-// IEEE half <-> float32, in software (the write, and the portable path; AVX-512 converts
-// 16 at once).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
-                 mant = h & 0x3ff;
-  if (exp == 0) {  // zero or subnormal: mant x 2^-24, exact in float
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-08f;
-    return sign ? -v : v;
-  }
-  const uint32_t bits =
-      sign | (exp == 31 ? 0x7f800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Rounded to nearest, ties to even; from 65520 on: infinity; nan stays nan.
-inline uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t sign = (x >> 16) & 0x8000;
-  x &= 0x7fffffffu;
-  if (x >= 0x47800000u) return sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00);  // >= 65536, inf, nan
-  if (x < 0x38800000u) {  // below 2^-14: a subnormal half; the float addition rounds
-    float a;
-    std::memcpy(&a, &x, sizeof a);
-    a += 0.5f;  // the last mantissa bit of 0.5 weighs 2^-24, a half subnormal's step
-    uint32_t y;
-    std::memcpy(&y, &a, sizeof y);
-    return sign | static_cast<uint16_t>(y - 0x3f000000u);
-  }
-  x += 0xc8000fffu + ((x >> 13) & 1);  // rebias the exponent (15 - 127), round to even
-  return sign | static_cast<uint16_t>(x >> 13);
-}
-
 inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return half_to_float(v); }
+inline float to_float(uint16_t v) { return specsamp::half_to_float(v); }
 
 struct Shape {
   int64_t batch, tokens, heads, kv_heads, slots, dim, layer;
@@ -277,7 +243,7 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
 
 inline void store(const float* from, int64_t n, float* to) { std::memcpy(to, from, n * sizeof(float)); }
 inline void store(const float* from, int64_t n, uint16_t* to) {
-  for (int64_t i = 0; i < n; ++i) to[i] = float_to_half(from[i]);
+  for (int64_t i = 0; i < n; ++i) to[i] = specsamp::float_to_half(from[i]);
 }
 
 // Write new [B, T, J, E] at each token's position into cache [L, B, J, S, E], layer s.layer.

@@ -28,6 +28,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu.h"
+#include "half.h"
 #include "parallel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -40,26 +41,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-float half_to_float(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 struct Problem {
   const float* x;        // [R, C]
@@ -79,7 +60,7 @@ struct Problem {
 const float* half_table() {  // all 65536 float16 values, for the portable loops
   static const float* table = [] {
     float* t = new float[65536];
-    for (uint32_t h = 0; h < 65536; ++h) t[h] = half_to_float(static_cast<uint16_t>(h));
+    for (uint32_t h = 0; h < 65536; ++h) t[h] = specsamp::half_to_float(static_cast<uint16_t>(h));
     return t;
   }();
   return table;
