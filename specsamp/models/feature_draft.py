@@ -65,10 +65,10 @@ class FeatureModel:
     def forward(self, params, tokens, features, positions, cache: KVCache, attention=None):
         """(g [B, T, D], cache): the draft's guesses of the target's hidden states. Attention
         as the target's (`Model.attention`): the native kernel where it applies."""
-        from specsamp.models.model import default_attention
+        from specsamp.models.model import cache_attention, default_attention
 
         if attention is None:
-            attention = default_attention(self.cfg, None) if cache.k.dtype == jnp.float32 else "xla"
+            attention = cache_attention(default_attention(self.cfg, None), cache)
         return FeatureDraft(self.cfg, attention).apply(
             {"params": module_params(params)}, tokens, features, positions, cache)
 

@@ -45,8 +45,7 @@ class Model:
     def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
         """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
         the cache with this call's keys/values written at `positions`)."""
-        attention = self.attention if cache.k.dtype in (jnp.float32, jnp.float16) else "xla"
-        return Transformer(self.cfg, attention).apply(
+        return Transformer(self.cfg, cache_attention(self.attention, cache)).apply(
             {"params": params}, tokens, positions, cache, head=head)
 
     def full_forward(self, params, tokens, head: bool = True):
@@ -152,6 +151,12 @@ class Model:
         if self.mesh is None:
             return cache
         return jax.device_put(cache, self.cache_sharding())
+
+
+def cache_attention(chosen: str, cache: KVCache) -> str:
+    """`chosen` ('cpu' or 'xla') where the native kernel reads the cache's type (float32,
+    float16), else 'xla'."""
+    return chosen if cache.k.dtype in (jnp.float32, jnp.float16) else "xla"
 
 
 def default_attention(cfg: ModelConfig, mesh) -> str:
