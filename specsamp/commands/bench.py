@@ -143,7 +143,7 @@ def _print(rows: list[dict], as_json: bool, table) -> int:
 
 def run_throughput_command(args) -> int:
     from specsamp.analysis.bench import compute_peak, streaming_bandwidth
-    from specsamp.analysis.throughput import Machine, format_throughput, run_throughput
+    from specsamp.analysis.throughput import Machine, run_throughput
     from specsamp.decoding.config import SamplingParams, check_k
     from specsamp.decoding.generator import GeneratorSpec, load_generator
 
@@ -177,7 +177,15 @@ def run_throughput_command(args) -> int:
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status, machine=machine, repeats=repeats)
         rows += [{**r, "weights": weights, "kv_cache": kv_cache} for r in group]
-    return _print(rows, args.json, lambda rs: "\n\n".join(
-        f"weights {w}, KV cache {c}:\n" + format_throughput(
-            [r for r in rs if (r["weights"], r["kv_cache"]) == (w, c)])
-        for w, c in dict.fromkeys((r["weights"], r["kv_cache"]) for r in rs)))
+    return _print(rows, args.json, _throughput_tables)
+
+
+def _throughput_tables(rows: list[dict]) -> str:
+    """One table per (weights, KV cache), in the order they ran, each under its name."""
+    from specsamp.analysis.throughput import format_throughput
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["weights"], r["kv_cache"]), []).append(r)
+    return "\n\n".join(f"weights {w}, KV cache {c}:\n" + format_throughput(rs)
+                       for (w, c), rs in groups.items())
