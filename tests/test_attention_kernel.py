@@ -141,10 +141,14 @@ def test_rows_alike_whatever_the_batch(e, slots, starts, dtype):
                 rtol=2e-5, atol=2e-6)
 
 
-def test_writes_in_place_and_ignores_later_slots():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e", [24, 64])
+def test_writes_in_place_and_ignores_later_slots(e, dtype):
     """Catches writes at the wrong layer/slot and reads past a row's position: slots after
-    the position hold NaN and must not reach the output; other layers are untouched."""
-    q, k, v, kc, vc = _inputs(2, 2, seed=1)
+    the position hold NaN and must not reach the output (the vector path computes a last,
+    partial block of 16 slots whole: the slots past the position must stay in their own
+    lanes); other layers are untouched."""
+    q, k, v, kc, vc = _inputs(2, 2, e=e, seed=1, dtype=dtype)
     pos = jnp.asarray([[3, 4], [20, 21]], jnp.int32)
     slot = jnp.arange(32)[None, None, None, :, None]
     poison = slot > jnp.asarray([4, 21])[None, :, None, None, None]
@@ -154,12 +158,13 @@ def test_writes_in_place_and_ignores_later_slots():
     k2 = np.asarray(k2)
     for b in range(2):
         for i in range(2):
-            np.testing.assert_array_equal(k2[2, b, :, int(pos[b, i])], np.asarray(k[b, i]))
+            np.testing.assert_array_equal(k2[2, b, :, int(pos[b, i])],
+                                          np.asarray(k[b, i].astype(dtype)))
     np.testing.assert_array_equal(k2[:2], np.asarray(kc)[:2])
     # a plain numpy reference of the attention for one row and head
     b, t, h, j = 1, 1, 4, 4 // 3
-    keys = k2[2, b, j, : int(pos[b, t]) + 1]
-    vals = np.asarray(v2)[2, b, j, : int(pos[b, t]) + 1]
+    keys = k2[2, b, j, : int(pos[b, t]) + 1].astype(np.float32)
+    vals = np.asarray(v2)[2, b, j, : int(pos[b, t]) + 1].astype(np.float32)
     s = keys @ (np.asarray(q)[b, t, h] * 0.2)
     w = np.exp(s - s.max())
     np.testing.assert_allclose(np.asarray(out)[b, t, h], (w / w.sum()) @ vals, rtol=1e-5, atol=1e-6)

@@ -194,11 +194,18 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
   for (int64_t t = 0; t < s.tokens; ++t) {
     const int64_t last = std::min<int64_t>(std::max<int32_t>(pos[b * s.tokens + t], 0), s.slots - 1);
     const float* qv = q + ((b * s.tokens + t) * s.heads + h) * E;
+    // The next token's query (one row of a strided [B, T, H, E]: too far apart for the
+    // hardware to fetch ahead; waiting for it was a quarter of a prefill's attention).
+    if (t + 1 < s.tokens)
+      for (int64_t e = 0; e < E; e += 16) __builtin_prefetch(qv + s.heads * E + e);
     alignas(64) float qs[256];
     for (int64_t e = 0; e < E; ++e) qs[e] = qv[e] * s.scale;
     if (fast.scores) {
+      // Slots past `last` are read but not used: a block of 16 computes each slot's score
+      // on its own, so a last, partial block runs as a whole one where the cache has the
+      // room (the scratch has 16 spare entries).
       for (int64_t slot = 0; slot <= last; slot += 16)
-        fast.scores(qs, kc + slot * E, std::min<int64_t>(16, last + 1 - slot), scores + slot);
+        fast.scores(qs, kc + slot * E, slot + 16 <= s.slots ? 16 : last + 1 - slot, scores + slot);
     } else {
       for (int64_t slot = 0; slot <= last; ++slot) {
         const KV* kv = kc + slot * E;
@@ -210,8 +217,16 @@ void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int
         scores[slot] = tree_sum(acc);
       }
     }
-    float m = -3.4e38f;
-    for (int64_t slot = 0; slot <= last; ++slot) m = std::max(m, scores[slot]);
+    // The largest score (NaNs skipped, as std::max skips its second argument's): per
+    // lane, then over the lanes; a maximum is the same whatever the order.
+    float lanes[kLanes];
+    for (int l = 0; l < kLanes; ++l) lanes[l] = -3.4e38f;
+    int64_t at = 0;
+    for (; at + kLanes <= last + 1; at += kLanes)
+      for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], scores[at + l]);
+    for (; at <= last; ++at) lanes[0] = std::max(lanes[0], scores[at]);
+    float m = lanes[0];
+    for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
     float part[kLanes] = {0};
     int64_t slot = 0;
     for (; slot + kLanes <= last + 1; slot += kLanes)
