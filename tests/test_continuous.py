@@ -145,21 +145,25 @@ def test_plain_chunks_run_until_slots_free():
     assert policy.calls <= len(PROMPTS) < cont.k_rounds[0] / 2
 
 
-def test_prefill_groups_cover_rows_once_at_their_own_bucket():
-    """Catches a plan that drops or repeats a row, pads a row past its own bucket, or makes
-    shapes other than powers of two; and one that splits when splitting saves little."""
-    from specsamp.decoding.engine import prefill_groups, prompt_bucket
+def test_prefill_groups_cover_rows_once_at_their_own_passes():
+    """Catches a plan that drops or repeats a row, runs a row for fewer or more prefill
+    passes than its own, or makes shapes other than powers of two; and one that splits
+    when splitting saves little."""
+    from specsamp.decoding.decode import PREFILL_CHUNK, prefill_chunks
+    from specsamp.decoding.engine import prefill_groups
 
     lens = [81, 91, 91, 100, 101, 113, 113, 115, 122, 126, 129, 133, 135, 136, 137, 142, 143,
             144, 146, 148, 156, 157, 158, 159, 160, 160, 167, 167, 169, 201, 209, 212]
     groups = prefill_groups(lens)
     rows = sorted(i for members, _ in groups for i in members)
     assert rows == list(range(len(lens)))
-    for members, bucket in groups:
+    for members, count in groups:
         assert len(members) & (len(members) - 1) == 0
-        assert all(prompt_bucket(lens[i]) == bucket for i in members)
-    computed = sum(len(m) * b for m, b in groups)
-    assert computed < 0.7 * len(lens) * 256  # 32 rows padded to 256 before
-    assert prefill_groups([100, 120, 128, 97]) == [([0, 1, 2, 3], 128)]
-    assert prefill_groups([120, 140]) == [([0, 1], 192)]  # split: 320 of 384 positions
-    assert prefill_groups([30, 200]) == [([0], 32), ([1], 256)]
+        assert all(prefill_chunks(lens[i]) == count for i in members)
+    computed = sum(len(m) * c * PREFILL_CHUNK for m, c in groups)
+    assert computed < 0.7 * len(lens) * 256  # 32 rows padded to 256 before passes
+    assert sum(n - 1 for n in lens) <= computed < sum(n - 1 + PREFILL_CHUNK for n in lens)
+    assert [prefill_chunks(n) for n in (1, 2, 33, 34, 65)] == [1, 1, 1, 2, 2]
+    assert prefill_groups([100, 120, 128, 97]) == [([0, 1, 2, 3], 4)]
+    assert prefill_groups([120, 140]) == [([0, 1], 5)]  # 9 of 10 passes: not worth a split
+    assert prefill_groups([30, 200]) == [([0], 1), ([1], 7)]

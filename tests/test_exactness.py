@@ -164,18 +164,58 @@ def test_greedy_speculative_equals_greedy_autoregressive(drafter, k, kv_cache):
 def test_sample_depends_only_on_its_seed_not_its_batch(drafter):
     """Tokens and statistics of a row are the same alone and among other rows (n-gram: a
     batch-mate with a match must not change a row that has none, and vice versa), also when
-    the batch's prefill runs in groups of different padded lengths (a row scattered into
-    another's slot, or prefilled at the wrong width, fails here)."""
+    the batch's prefill runs in groups of different counts of passes (a row scattered into
+    another's slot, or prefilled for too few passes, fails here)."""
     sp = SamplingParams(1.0, 0, 0.9)
     engine = make_engine(sp, drafter, 3, max_new=12)
     prompts = [[5, 4], PROMPT, [3, 1] * 35, [7, 6, 5, 4, 3], [2, 6] * 20, [1, 2, 1, 2, 1, 2]]
     seeds = [1, 42, 5, 3, 7, 9]
-    assert len(prefill_groups([len(p) for p in prompts])) == 3  # 4 rows of 32, 1 of 64, 1 of 96
+    # 4 rows of one prefill pass, 1 of two, 1 of three
+    assert [c for _, c in prefill_groups([len(p) for p in prompts])] == [1, 2, 3]
     batched = engine.run(prompts, seeds)
     for prompt, seed, together in zip(prompts, seeds, batched):
         alone = engine.run([prompt], [seed])[0]
         assert alone.token_ids == together.token_ids
         assert (alone.accepted, alone.calls) == (together.accepted, together.calls)
+
+
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_prefill_in_passes_equals_one_forward(drafter):
+    """Catches a prefill loop that feeds a pass at the wrong positions, skips or repeats
+    one, or gives the drafter the wrong offset or features: three passes of
+    PREFILL_CHUNK positions leave the target's and the draft's caches as one forward over
+    the same positions does (the drafter's own prefill at offset 0); a fourth pass past
+    the positions compared changes none of them."""
+    import jax
+
+    from specsamp.decoding.decode import PREFILL_CHUNK, prefill
+    from specsamp.decoding.state import prefix_positions
+    from specsamp.models.model import Model
+
+    eng = make_engine(SamplingParams(1.0), drafter, 2)
+    prog, tp, dp = eng.prog, eng.target_params, eng.draft_params
+    n = 3 * PREFILL_CHUNK
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(rng.integers(0, tiny.TARGET.vocab_size, (2, n + 1)), jnp.int32)
+    lens = jnp.asarray([n + 1, n + 1], jnp.int32)
+    state = new_state(prog, prompts, lens, 4, jnp.asarray([1, 2], jnp.uint32), 256)
+
+    tokens = state.tokens[:, :n]
+    hidden, cache = Model(prog.target).forward(tp, tokens, prefix_positions(tokens),
+                                               state.target_cache, head=False)
+    zero = jnp.zeros((2,), jnp.int32)
+    draft = prog.drafter.prefill(dp, tokens, prog.drafter.observe(state.draft, hidden, zero), zero)
+    caches = [draft] if drafter == "model" else [draft.cache]
+    for passes in (3, 4):
+        got = prefill(prog, tp, dp, state, jnp.int32(passes))
+        got_draft = got.draft if drafter == "model" else got.draft.cache
+        for want, have in [(cache, got.target_cache), (caches[0], got_draft)]:
+            for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have)):
+                np.testing.assert_allclose(np.asarray(b)[..., :n, :], np.asarray(a)[..., :n, :],
+                                           rtol=1e-5, atol=1e-5)
+        if drafter == "feature":  # the target's features the draft reads
+            np.testing.assert_allclose(np.asarray(got.draft.features)[:, :n],
+                                       np.asarray(draft.features)[:, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_rows_stop_independently_on_eos():

@@ -66,7 +66,9 @@ def resync(prog: Program, draft_params, state: DecodeState, width: int) -> Decod
     """Rebuild the drafter's cache from each row's tokens 0..width-1 (width: at least every
     running row's length), after plain rounds that did not feed it. Positions past a row's
     length get stale entries that later writes overwrite, as in prefill."""
-    return state.replace(draft=prog.drafter.prefill(draft_params, state.tokens[:, :width], state.draft))
+    start = jnp.zeros((state.tokens.shape[0],), jnp.int32)
+    return state.replace(draft=prog.drafter.prefill(draft_params, state.tokens[:, :width],
+                                                    state.draft, start))
 
 
 @jax.jit(static_argnames=("variant",), donate_argnames=("state",))
@@ -192,6 +194,7 @@ class _Run:
 
     def __init__(self, owner: ContinuousEngine, prompts, seeds, state):
         self.owner, self.prompts, self.state = owner, prompts, state
+        self.width = prompt_bucket(max((len(p) for p in prompts), default=1))  # prompt buffers
         self.seeds = [s % (1 << 32) for s in seeds]
         self.pending = collections.deque(range(len(prompts)))
         self.slot_row = [-1] * owner.batch  # prompt index in each slot, -1: free
@@ -224,16 +227,18 @@ class _Run:
             self.calls[free[j]] = self.accepted[free[j]] = self.tested[free[j]] = 0
             self.reason[free[j]] = RUNNING
         groups = prefill_groups([len(self.prompts[i]) for i in take])
-        for members, bucket in groups:
-            self._insert([take[j] for j in members], [free[j] for j in members], bucket,
+        for members, chunks in groups:
+            self._insert([take[j] for j in members], [free[j] for j in members], chunks,
                          pad_rows=len(groups) == 1)
 
-    def _insert(self, rows: list[int], slots: list[int], bucket: int, pad_rows: bool) -> None:
-        """Prefill prompts `rows` into `slots` in one call; with pad_rows, the call's row
-        count is rounded up to a power of two (few shapes; padding rows are dropped)."""
+    def _insert(self, rows: list[int], slots: list[int], chunks: int, pad_rows: bool) -> None:
+        """Prefill prompts `rows` into `slots` in one call of `chunks` prefill passes; with
+        pad_rows, the call's row count is rounded up to a power of two (few shapes; padding
+        rows are dropped). Prompts pad to the run's longest one's bucket: one shape per
+        row count."""
         eng, b = self.owner.engine, self.owner.batch
         n = min(1 << (len(rows) - 1).bit_length(), b) if pad_rows else len(rows)
-        padded = np.zeros((n, bucket), np.int32)
+        padded = np.zeros((n, self.width), np.int32)
         lens, seeds = np.ones(n, np.int32), np.zeros(n, np.uint32)
         where = np.full(n, b, np.int32)  # padding rows go to slot b: dropped
         for j, (i, slot) in enumerate(zip(rows, slots)):
@@ -241,10 +246,9 @@ class _Run:
             padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], slot
         traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
                       state=self.state, prompts=jnp.asarray(padded), lens=jnp.asarray(lens),
-                      seeds=jnp.asarray(seeds), slots=jnp.asarray(where))
-        # The current (last) prompt token is fed by the first round, not by prefill.
-        exe, seconds = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens,
-                                             width=bucket - 1), traced)
+                      seeds=jnp.asarray(seeds), slots=jnp.asarray(where),
+                      chunks=jnp.int32(chunks))
+        exe, seconds = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens), traced)
         self.compile_s += seconds
         t0 = time.perf_counter()
         self.state = exe(**traced)

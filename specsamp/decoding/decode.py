@@ -66,20 +66,49 @@ def new_state(
     )
 
 
-@jax.jit(static_argnames=("prog", "width"))
-def prefill(prog: Program, target_params, draft_params, state: DecodeState, width: int):
-    """Feed tokens [B, width] at positions 0..width-1: all but each row's current token;
-    entries past that are padding, written to slots that later writes overwrite."""
-    tokens = state.tokens[:, :width]
-    hidden, cache = Model(prog.target).forward(
-        target_params, tokens, prefix_positions(tokens), state.target_cache, head=False
-    )
-    state = state.replace(target_cache=cache)
-    if prog.drafter is not None:
-        start = jnp.zeros((tokens.shape[0],), jnp.int32)
-        draft = prog.drafter.observe(state.draft, hidden, start)
-        state = state.replace(draft=prog.drafter.prefill(draft_params, tokens, draft))
-    return state
+# Positions a pass of prefill's loop feeds. A prompt is prefilled in passes of this many
+# positions, so it computes at most PREFILL_CHUNK - 1 padding positions (padding to
+# `engine.prompt_bucket` cost a fifth of a batch's prefill), and one compiled prefill serves
+# every prompt length: the count of passes is traced. A pass of 32 positions is a product
+# of 32 rows per row of the batch, as cheap per row as the tile kernels get.
+PREFILL_CHUNK = 32
+
+
+def prefill_chunks(n: int) -> int:
+    """Prefill passes for a prompt of n tokens: all but its last token (the first round
+    feeds that one), PREFILL_CHUNK positions a pass; at least one, so that a one-token
+    prompt joins the group of its batch-mates instead of making a call (and a compiled
+    shape) of its own."""
+    return max(1, -(-(n - 1) // PREFILL_CHUNK))
+
+
+@jax.jit(static_argnames=("prog",))
+def prefill(prog: Program, target_params, draft_params, state: DecodeState, chunks):
+    """Feed each row's tokens at positions 0..chunks * PREFILL_CHUNK - 1 (chunks: traced),
+    a pass of a loop per PREFILL_CHUNK positions: all but each row's current token; entries
+    past that are padding, written to slots that later writes overwrite. A row's numbers
+    are those of one call over all its positions (the passes attend to the cache the
+    earlier ones wrote) wherever the kernels compute each row alike whatever the call's
+    shape (the native CPU kernels do), and never depend on how many passes run beyond a
+    row's prompt (those only write padding)."""
+    c = PREFILL_CHUNK
+    b = state.tokens.shape[0]
+    target = Model(prog.target)
+
+    def one_pass(i, state):
+        start = i * c
+        tokens = jax.lax.dynamic_slice_in_dim(state.tokens, start, c, axis=1)
+        at = jnp.full((b,), start, jnp.int32)
+        hidden, cache = target.forward(
+            target_params, tokens, at[:, None] + prefix_positions(tokens), state.target_cache,
+            head=False)
+        state = state.replace(target_cache=cache)
+        if prog.drafter is not None:
+            draft = prog.drafter.observe(state.draft, hidden, at)
+            state = state.replace(draft=prog.drafter.prefill(draft_params, tokens, draft, at))
+        return state
+
+    return jax.lax.fori_loop(0, chunks, one_pass, state)
 
 
 def scatter_rows(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
@@ -99,12 +128,13 @@ def scatter_rows(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> De
     return jax.tree.map(rows, state, fresh, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@jax.jit(static_argnames=("prog", "max_new", "width"), donate_argnames=("state",))
+@jax.jit(static_argnames=("prog", "max_new"), donate_argnames=("state",))
 def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
-           slots, max_new: int, width: int) -> DecodeState:
-    """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state."""
+           slots, chunks, max_new: int) -> DecodeState:
+    """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state,
+    in `chunks` passes (traced: at least every prompt's `prefill_chunks`)."""
     fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1])
-    fresh = prefill(prog, target_params, draft_params, fresh, width)
+    fresh = prefill(prog, target_params, draft_params, fresh, chunks)
     return scatter_rows(state, fresh, slots)
 
 

@@ -78,9 +78,10 @@ class Drafter(Protocol):
         """The state after a target call: hidden [B, W, D] are the target's final-normed
         hidden states at positions start[b]..start[b]+W-1 of each row."""
 
-    def prefill(self, params, tokens: jax.Array, draft_state) -> Any:
-        """The state after feeding tokens [B, W] at positions 0..W-1 (after `observe` of
-        the target's prefill)."""
+    def prefill(self, params, tokens: jax.Array, draft_state, start: jax.Array) -> Any:
+        """The state after feeding tokens [B, W] at positions start[b]..start[b]+W-1 (after
+        `observe` of the target's hidden states there); prefill feeds a prompt this way,
+        a pass at a time, from position 0 on."""
 
     def propose(self, params, state: DecodeState, keys: jax.Array) -> Proposal:
         """K draft tokens per row, with their distributions, from the decode state at each
@@ -107,8 +108,9 @@ class ModelDrafter:
     def observe(self, cache, hidden, start):
         return cache
 
-    def prefill(self, params, tokens, cache: KVCache) -> KVCache:
-        _, cache = Model(self.cfg).forward(params, tokens, prefix_positions(tokens), cache, head=False)
+    def prefill(self, params, tokens, cache: KVCache, start) -> KVCache:
+        positions = start[:, None] + prefix_positions(tokens)
+        _, cache = Model(self.cfg).forward(params, tokens, positions, cache, head=False)
         return cache
 
     def forward(self, params, tokens, positions, cache):
@@ -207,11 +209,10 @@ class FeatureDrafter:
     def observe(self, fs: FeatureState, hidden, start) -> FeatureState:
         return fs.replace(features=write_window(fs.features, hidden.astype(jnp.float32), start))
 
-    def prefill(self, params, tokens, fs: FeatureState) -> FeatureState:
-        start = jnp.zeros((tokens.shape[0],), jnp.int32)
+    def prefill(self, params, tokens, fs: FeatureState, start) -> FeatureState:
         feats = _shifted_features(fs.features, start, tokens.shape[1])
         _, cache = FeatureModel(self.cfg).forward(
-            params, tokens, feats, prefix_positions(tokens), fs.cache)
+            params, tokens, feats, start[:, None] + prefix_positions(tokens), fs.cache)
         return fs.replace(cache=cache)
 
     def with_k(self, k: int) -> "FeatureDrafter":

@@ -4,8 +4,10 @@ final state into `RawSample`s. Works on token ids; text lives in `specsamp.decod
 
 Shapes are bucketed so that few programs are compiled: prompts pad to `prompt_bucket`
 (multiples of 32 up to 128, then two sizes per doubling), the cache to a multiple of 128
-slots; a batch whose prompts fall in different buckets is prefilled in groups
-(`prefill_groups`) rather than every row at the longest one's length.
+slots. Prefill runs passes of 32 positions up to each prompt's own length (their count is
+traced, so prompt lengths compile nothing new); a batch whose prompts need different
+counts of passes is prefilled in groups (`prefill_groups`) rather than every row for the
+longest one's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
-from specsamp.decoding.decode import Program, decode, insert, new_state, prefill
+from specsamp.decoding.decode import Program, decode, insert, new_state, prefill, prefill_chunks
 from specsamp.decoding.rounds import Rounds, from_log, round_logs
 from specsamp.decoding.state import STOP_REASONS
 from specsamp.errors import UserError
@@ -29,9 +31,10 @@ _MIN_BUCKET = 32
 
 def prompt_bucket(n: int) -> int:
     """The padded length of a prompt of n tokens: 32, 64, 96, 128, then 192, 256, 384,
-    512, 768, ... (1.5x and 2x each power of two). Prefill computes every padded position,
-    so powers of two alone wasted up to half of it (a 141-token chat prompt padded to
-    256); here at most a third, for twice the shapes to compile above 128."""
+    512, 768, ... (1.5x and 2x each power of two). It sizes the batch's arrays (the prompt
+    buffer, and with max_new_tokens the cache), so few shapes are compiled; prefill does
+    not compute the padding (it runs passes of `decode.PREFILL_CHUNK` positions up to each
+    prompt's own length)."""
     n = max(n, 1)
     if n <= 128:
         return max(_MIN_BUCKET, -(-n // 32) * 32)
@@ -41,27 +44,29 @@ def prompt_bucket(n: int) -> int:
 
 
 def prefill_groups(lens: Sequence[int]) -> list[tuple[list[int], int]]:
-    """How to prefill prompts of these lengths: groups (row indices, padded length).
+    """How to prefill prompts of these lengths: groups (row indices, passes of the prefill
+    loop, `decode.prefill_chunks`).
 
-    One group (every row padded to the longest prompt's bucket) unless splitting saves at
+    One group (every row run for the longest prompt's passes) unless splitting saves at
     least a fifth of the positions computed: 32 HumanEval chat prompts of 81-212 tokens
-    pad to 32 x 256 = 8,192 positions, 4,521 of them real. Rows are grouped by their own
-    bucket, each group split into powers of two (few shapes to compile: 18 rows -> 16 + 2).
-    Each row's numbers do not depend on its group (rows are computed alike whatever else
-    is in a call), so neither does its sample."""
-    by_bucket: dict[int, list[int]] = {}
+    run 32 x 7 passes of 32 positions, 4,521 of them real. Rows are grouped by their own
+    count of passes, each group split into powers of two (few shapes to compile: 18 rows
+    -> 16 + 2). Each row's numbers do not depend on its group (rows are computed alike
+    whatever else is in a call, and passes past a row's prompt only write padding), so
+    neither does its sample."""
+    by_count: dict[int, list[int]] = {}
     for i, n in enumerate(lens):
-        by_bucket.setdefault(prompt_bucket(int(n)), []).append(i)
+        by_count.setdefault(prefill_chunks(int(n)), []).append(i)
     groups = []
-    for bucket in sorted(by_bucket):
-        rows = by_bucket[bucket]
+    for count in sorted(by_count):
+        rows = by_count[count]
         while rows:
             size = 1 << (len(rows).bit_length() - 1)
-            groups.append((rows[:size], bucket))
+            groups.append((rows[:size], count))
             rows = rows[size:]
-    whole = len(lens) * max(by_bucket)
-    if sum(len(rows) * bucket for rows, bucket in groups) > 0.8 * whole:
-        return [(list(range(len(lens))), max(by_bucket))]
+    whole = len(lens) * max(by_count)
+    if sum(len(rows) * count for rows, count in groups) > 0.8 * whole:
+        return [(list(range(len(lens))), max(by_count))]
     return groups
 
 
@@ -186,7 +191,8 @@ class Engine:
         eos = jnp.asarray(np.array(self.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
 
-        groups = prefill_groups(lens) if self.mesh is None else [(list(range(b)), bucket)]
+        groups = (prefill_groups(lens) if self.mesh is None
+                  else [(list(range(b)), prefill_chunks(int(lens.max())))])
         prefill_calls, s1 = self._prefill_calls(state, groups, padded, lens, seeds_arr)
         run_decode, s2 = self._compile_decode(state, eos, stops)
         t0 = time.perf_counter()
@@ -201,21 +207,23 @@ class Engine:
     def _prefill_calls(self, state, groups, padded, lens, seeds):
         """The batch's prefill as calls state -> state, compiled now (before any clock
         starts; a no-op for shapes met before), and the seconds compiling took: one prefill
-        of every row, or one insert per group of `prefill_groups`. The current (last)
-        prompt token is fed by the first round, not by prefill, hence width = bucket - 1."""
+        of every row, or one insert per group of `prefill_groups`. The compiled programs
+        depend on the batch's shapes and each group's row count, not on prompt lengths
+        (the count of prefill passes is traced)."""
         params = dict(target_params=self.target_params, draft_params=self.draft_params)
         if len(groups) == 1:
-            exe, seconds = compiled(prefill, dict(prog=self.prog, width=groups[0][1] - 1),
-                                    dict(**params, state=state))
-            return [lambda st: exe(**params, state=st)], seconds
+            chunks = jnp.int32(groups[0][1])
+            exe, seconds = compiled(prefill, dict(prog=self.prog),
+                                    dict(**params, state=state, chunks=chunks))
+            return [lambda st: exe(**params, state=st, chunks=chunks)], seconds
         calls, total = [], 0.0
-        for rows, bucket in groups:
+        for rows, chunks in groups:
             at = np.asarray(rows)
-            traced = dict(**params, prompts=jnp.asarray(padded[at, :bucket]),
+            traced = dict(**params, prompts=jnp.asarray(padded[at]),
                           lens=jnp.asarray(lens[at]), seeds=jnp.asarray(seeds[at]),
-                          slots=jnp.asarray(at.astype(np.int32)))
-            exe, seconds = compiled(insert, dict(prog=self.prog, max_new=self.max_new_tokens,
-                                                 width=bucket - 1), dict(traced, state=state))
+                          slots=jnp.asarray(at.astype(np.int32)), chunks=jnp.int32(chunks))
+            exe, seconds = compiled(insert, dict(prog=self.prog, max_new=self.max_new_tokens),
+                                    dict(traced, state=state))
             calls.append(lambda st, exe=exe, traced=traced: exe(**traced, state=st))
             total += seconds
         return calls, total

@@ -38,7 +38,7 @@ class NgramDrafter:
     def observe(self, draft_state, hidden, start):
         return draft_state
 
-    def prefill(self, params, tokens, draft_state):
+    def prefill(self, params, tokens, draft_state, start):
         return draft_state
 
     @property
@@ -121,8 +121,8 @@ class HybridDrafter:
     def observe(self, fs, hidden, start):
         return self.model.observe(fs, hidden, start)
 
-    def prefill(self, params, tokens, fs):
-        return self.model.prefill(params, tokens, fs)
+    def prefill(self, params, tokens, fs, start):
+        return self.model.prefill(params, tokens, fs, start)
 
     def forward(self, params, tokens, positions, cache):
         return self.model.forward(params, tokens, positions, cache)
