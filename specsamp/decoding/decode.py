@@ -67,10 +67,11 @@ def new_state(
 
 
 # Positions a pass of prefill's loop feeds. A prompt is prefilled in passes of this many
-# positions, so it computes at most PREFILL_CHUNK - 1 padding positions (padding to
-# `engine.prompt_bucket` cost a fifth of a batch's prefill), and one compiled prefill serves
-# every prompt length: the count of passes is traced. A pass of 32 positions is a product
-# of 32 rows per row of the batch, as cheap per row as the tile kernels get.
+# positions, so it computes fewer than PREFILL_CHUNK padding positions (a one-token prompt:
+# one pass; padding to `engine.prompt_bucket` cost a fifth of a batch's prefill), and one
+# compiled prefill serves every prompt length: the count of passes is traced. Passes of 32,
+# 40, 80 and 160 positions over the same 160 took the same time within the machine's noise
+# at 4 and 8 rows (one process, interleaved; docs/throughput.md).
 PREFILL_CHUNK = 32
 
 
