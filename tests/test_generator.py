@@ -118,9 +118,10 @@ def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
 
 
 def test_prompt_buckets_hold_the_prompt_with_little_padding():
-    """Catches a bucket shorter than its prompt (a truncated prefill) or one that pads most
-    of the prefill away: every n fits, buckets never shrink as n grows, padding is under 32
-    tokens up to 128 and under a third of the bucket above, with few distinct shapes."""
+    """Catches a bucket shorter than its prompt (a truncated prompt buffer) or one that
+    wastes most of the buffer and cache it sizes: every n fits, buckets never shrink as n
+    grows, padding is under 32 tokens up to 128 and under a third of the bucket above, with
+    few distinct shapes."""
     from specsamp.decoding.engine import prompt_bucket
 
     sizes = [prompt_bucket(n) for n in range(1, 2049)]
