@@ -47,6 +47,28 @@ def test_continuous_rows_equal_static_rows(drafter, k, temperature):
     assert len(lengths) > 2  # rows really ended at different times
 
 
+@pytest.mark.parametrize("drafter,k,temperature", [("feature", 2, 1.0), ("model", 3, 0.0)])
+def test_last_rows_move_into_fewer_slots(drafter, k, temperature):
+    """Once no prompt is queued and at most half the slots run, the running rows move into
+    a state of fewer slots (down to one): each row still has its static tokens and
+    statistics. Catches a move that loses a row's cache, drafter state, keys or counters,
+    or that maps results back to the wrong prompt."""
+    sp = SamplingParams(temperature, 0, 0.9 if temperature else 1.0)
+    static = _eos_engine(sp, drafter, k, max_new=24)
+    cont = ContinuousEngine(static, batch=8)
+    prompts, seeds = PROMPTS + PROMPTS[:3], SEEDS + [7, 8, 9]
+    got = cont.run(prompts, seeds)
+    assert {8, 1} <= set(cont.slot_rounds) and len(cont.slot_rounds) > 2, cont.slot_rounds
+    # the host's per-slot round counters moved with their rows: every round's accepted
+    # draft tokens counted once for the K policy
+    assert cont.depth[0].sum() == sum(sum(r.accepted) for r in got) > 0
+    for row, alone in zip(got, static.run(prompts, seeds)):
+        assert row.token_ids == alone.token_ids
+        assert (row.stop_reason, row.accepted, row.calls, row.draft_calls) == (
+            alone.stop_reason, alone.accepted, alone.calls, alone.draft_calls)
+        assert row.decode_s > 0
+
+
 def test_continuous_sampling_matches_exact_target_distribution():
     """Chi-square of the joint law of the first three tokens over many rows that pass
     through 64 slots (a sampler that reused a slot's stale state would fail it)."""

@@ -112,21 +112,29 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, chun
     return jax.lax.fori_loop(0, chunks, one_pass, state)
 
 
+def _by_row(f, state: DecodeState, *others: DecodeState) -> DecodeState:
+    """jax.tree.map of f(batch axis, leaf, *the others' leaves) over a decode state: the
+    batch axis is 1 in KV caches ([L, B, J, S, E]), 0 in every other field."""
+    def rows(full, *parts):
+        if isinstance(full, KVCache):
+            return jax.tree.map(lambda a, *b: f(1, a, *b), full, *parts)
+        return f(0, full, *parts)
+
+    return jax.tree.map(rows, state, *others, is_leaf=lambda x: isinstance(x, KVCache))
+
+
 def scatter_rows(state: DecodeState, fresh: DecodeState, slots: jax.Array) -> DecodeState:
     """state's rows `slots` = fresh's rows (every field, the drafter's state included);
     slots past the batch are dropped (padding)."""
-    def put(axis):
-        def f(full, part):
-            index = (slice(None),) * axis + (slots,)
-            return full.at[index].set(part, mode="drop")
-        return f
+    return _by_row(lambda axis, full, part: full.at[(slice(None),) * axis + (slots,)].set(
+        part, mode="drop"), state, fresh)
 
-    def rows(full, part):  # KV caches are [L, B, J, S, E]: their batch axis is 1
-        if isinstance(full, KVCache):
-            return jax.tree.map(put(1), full, part)
-        return put(0)(full, part)
 
-    return jax.tree.map(rows, state, fresh, is_leaf=lambda x: isinstance(x, KVCache))
+@jax.jit
+def gather_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """A state of len(rows) rows: state's rows `rows`, in that order (every field, the
+    drafter's state included)."""
+    return _by_row(lambda axis, full: jnp.take(full, rows, axis=axis), state)
 
 
 @jax.jit(static_argnames=("prog", "max_new"), donate_argnames=("state",))
