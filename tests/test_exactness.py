@@ -205,11 +205,11 @@ def test_prefill_in_passes_equals_one_forward(drafter):
                                                state.target_cache, head=False)
     zero = jnp.zeros((2,), jnp.int32)
     draft = prog.drafter.prefill(dp, tokens, prog.drafter.observe(state.draft, hidden, zero), zero)
-    caches = [draft] if drafter == "model" else [draft.cache]
+    draft_cache = draft if drafter == "model" else draft.cache
     for passes in (3, 4):
         got = prefill(prog, tp, dp, state, jnp.int32(passes))
         got_draft = got.draft if drafter == "model" else got.draft.cache
-        for want, have in [(cache, got.target_cache), (caches[0], got_draft)]:
+        for want, have in [(cache, got.target_cache), (draft_cache, got_draft)]:
             for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have)):
                 np.testing.assert_allclose(np.asarray(b)[..., :n, :], np.asarray(a)[..., :n, :],
                                            rtol=1e-5, atol=1e-5)

@@ -128,10 +128,14 @@ class ContinuousEngine:
         self.depth = (np.zeros(max(self.ks)), np.zeros(max(self.ks)))
         self.prefill_s = self.decode_s = 0.0  # wall seconds of inserts / chunks, all runs
 
+    @staticmethod
+    def width_for(prompts: Sequence[Sequence[int]]) -> int:
+        """The prompt buffer's width for a run of `prompts`: its longest one's bucket."""
+        return prompt_bucket(max((len(p) for p in prompts), default=1))
+
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
         """Cache slots per row for a run of `prompts` (one size for every slot)."""
-        bucket = prompt_bucket(max((len(p) for p in prompts), default=1))
-        need = bucket + self.engine.max_new_tokens + max(*self.ks, self.engine.prog.span) + 2
+        need = self.width_for(prompts) + self.engine.max_new_tokens + max(*self.ks, self.engine.prog.span) + 2
         return -(-need // 128) * 128
 
     def run(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], stop_ids=(),
@@ -199,7 +203,7 @@ class _Run:
 
     def __init__(self, owner: ContinuousEngine, prompts, seeds, state):
         self.owner, self.prompts, self.state = owner, prompts, state
-        self.width = prompt_bucket(max((len(p) for p in prompts), default=1))  # prompt buffers
+        self.width = owner.width_for(prompts)  # inserted prompts pad to it
         self.seeds = [s % (1 << 32) for s in seeds]
         self.pending = collections.deque(range(len(prompts)))
         self.slot_row = [-1] * owner.batch  # prompt index in each slot, -1: free
@@ -220,9 +224,9 @@ class _Run:
         """Free slots at which the next chunk returns to the host: to refill while prompts
         are queued; after that, once half the slots are free (to `compact`), or at the end."""
         slots = len(self.slot_row)
-        free = slots - len(self.active())
         if not self.pending:
             return slots - slots // 2 if self.compacts() else slots + 1
+        free = slots - len(self.active())
         return free + max(1, min(len(self.pending), round(self.owner.batch * self.owner.refill_fraction)))
 
     def compacts(self) -> bool:

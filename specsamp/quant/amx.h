@@ -15,9 +15,10 @@
 // rounding) cost a third more tile traffic per row, and moving tiles bounds calls of many
 // rows: three took 11-15% off a 3072 x 576 product at 32 and 384 rows, 25% at 5 and 10.
 // The tile unit sums code x limb over a block
-// of 32 inputs exactly (int32); per block and output the float accumulator takes
-// scale * that sum, per limb, and the limbs and s_r are combined at the end:
-//   y[r, n] = s_r * sum_l 2^(8 l) sum_b d[n, b] C_l[r, n, b]  (+ sum_b m[n, b] S[r, b], Q4_1)
+// of 32 inputs exactly (int32); per block and output the limbs' sums are combined and
+// rounded once to float (`accumulate`), the float accumulator takes scale * that, and s_r
+// multiplies at the end:
+//   y[r, n] = s_r * sum_b d[n, b] fl(sum_l 2^(8 l) C_l[r, n, b])  (+ sum_b m[n, b] S[r, b], Q4_1)
 // where S[r, b] is the float sum of x's inputs in block b. Every row is computed alone
 // (its own s_r, its own accumulators, the same order), so K + 1 rows give the numbers of
 // K + 1 single steps, as on the other paths.
