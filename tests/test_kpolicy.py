@@ -11,7 +11,8 @@ KS = (0, 1, 2, 4)
 
 
 def _policy(score, draft=0.0):
-    return KPolicy(CostCurve(8, {t: score(t) for t in (1, 2, 3, 5)}, draft), KS)
+    """A round at K costs score(K + 1) (scoring K + 1 tokens) + K * draft."""
+    return KPolicy(CostCurve(8, {k: score(k + 1) + k * draft for k in KS}), KS)
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -31,8 +32,8 @@ def test_compute_bound_scoring_turns_drafting_off():
     assert KS[policy(np.array([3.0, 3.0]), np.array([10.0, 10.0]))] == 0
     depth = (np.array([6.0, 0, 0, 0]), np.array([20.0, 0, 0, 0]))
     assert KS[policy(np.array([3.0, 3.0]), np.array([10.0, 10.0]), depth)] == 0
-    many = np.full(32, 6.0), np.full(32, 10.0)  # alpha 0.6 at a batch-32-like curve
-    batch32 = KPolicy(CostCurve(32, {1: 0.102, 2: 0.172, 3: 0.231, 5: 0.347}, 0.0128), KS)
+    many = np.full(32, 6.0), np.full(32, 10.0)  # alpha 0.6 at rounds measured at batch 32
+    batch32 = KPolicy(CostCurve(32, {0: 0.070, 1: 0.143, 2: 0.188, 4: 0.284}), KS)
     assert KS[batch32(*many, (np.array([192.0, 0, 0, 0]), np.array([320.0, 0, 0, 0])))] == 0
 
 
@@ -77,24 +78,24 @@ def test_fresh_rows_borrow_the_pooled_rate():
 
 
 def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
-    """The first call times every (batch, tokens) pair the policy needs and writes them
-    under $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
+    """The first call times a round at every K of the engine and writes the seconds under
+    $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
     from specsamp.decoding import costs
     from specsamp.decoding.config import SamplingParams
+    from specsamp.decoding.continuous import ContinuousEngine
     from tests.test_exactness import make_engine
 
     monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))
-    engine = make_engine(SamplingParams(0.0), "model", 4)
-    first = costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128, repeats=1)
-    assert sorted(first.score) == [1, 3] and first.draft > 0
-    assert all(s > 0 for s in first.score.values())
+    cont = ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4), 2, ks=(0, 2))
+    first = costs.cost_curve(cont, slots=128, width=16, repeats=1)
+    assert sorted(first.rounds) == [0, 2] and all(s > 0 for s in first.rounds.values())
     assert len(list((tmp_path / "costs").iterdir())) == 1
 
     def no_timing(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(costs, "_timer", no_timing)
-    assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
+    monkeypatch.setattr(ContinuousEngine, "time_rounds", no_timing)
+    assert costs.cost_curve(cont, slots=128, width=16) == first
     # a rebuilt kernel library is a different machine for its costs, and so is the same
     # build running other code (SPECSAMP_ISA=avx512 on an AMX machine): measured afresh
     from specsamp.quant import kernels
@@ -103,13 +104,47 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(kernels, name, lambda other=other: other)
             with pytest.raises(AssertionError, match="measured again"):
-                costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128)
-        assert costs.cost_curve(engine, batch=2, ks=(0, 2), slots=128) == first
-    # the target's steps cost other times over a float16 cache
-    with pytest.raises(AssertionError, match="measured again"):
-        costs.cost_curve(make_engine(SamplingParams(0.0), "model", 4, kv_cache="float16"),
-                         batch=2, ks=(0, 2), slots=128)
+                costs.cost_curve(cont, slots=128, width=16)
+        assert costs.cost_curve(cont, slots=128, width=16) == first
+    # other shapes, other K values, a float16 cache: other rounds
+    others = [(cont, 256, 16), (cont, 128, 32), (ContinuousEngine(cont.engine, 2, ks=(0, 1)), 128, 16),
+              (ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4, kv_cache="float16"), 2,
+                                ks=(0, 2)), 128, 16)]
+    for other, slots, width in others:
+        with pytest.raises(AssertionError, match="measured again"):
+            costs.cost_curve(other, slots=slots, width=width)
 
+
+def test_rounds_are_timed_as_the_engine_runs_them(monkeypatch):
+    """time_rounds runs each K's own chunk program, `rounds` rounds a call, from the same
+    prefilled state: a K = 2 call drafts (2 draft tokens tested per row and round), a plain
+    call does not, and neither stops early."""
+    from specsamp.decoding import continuous
+    from specsamp.decoding.config import SamplingParams
+    from specsamp.decoding.continuous import ContinuousEngine
+    from tests.test_exactness import make_engine
+
+    cont = ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4), 2, ks=(0, 2))
+    seen = []
+    real = continuous.compiled
+
+    def spy(fn, static, traced):
+        exe, seconds = real(fn, static, traced)
+        if fn is not continuous.decode_chunk:
+            return exe, seconds
+
+        def run(**kw):
+            state, ran = exe(**kw)
+            seen.append((static["variant"].plain or static["variant"].prog.drafter is None,
+                         int(ran), np.asarray(state.round_drafted).max()))
+            return state, ran
+        return run, seconds
+
+    monkeypatch.setattr(continuous, "compiled", spy)
+    rounds = cont.time_rounds(slots=128, width=16, repeats=2, rounds=3)
+    assert sorted(rounds) == [0, 2] and all(s > 0 for s in rounds.values())
+    assert [(plain, ran) for plain, ran, _ in seen] == [(True, 3), (False, 3)] * 2
+    assert [drafted for plain, _, drafted in seen if not plain] == [2, 2]
 
 
 def test_a_small_predicted_gain_keeps_plain_rounds():

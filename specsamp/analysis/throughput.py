@@ -60,7 +60,7 @@ def _continuous(engine, batch: int, k, prompts) -> ContinuousEngine:
         return ContinuousEngine(engine, batch)
     # Chunks of 16 rounds at most: the policy re-decides K as acceptance estimates move.
     cont = ContinuousEngine(engine, batch, ks=AUTO_KS, chunk_rounds=16)
-    cont.policy = auto_policy(engine, batch, cont.slots_for(prompts))
+    cont.policy = auto_policy(cont, prompts)
     return cont
 
 

@@ -6,8 +6,13 @@ the logits, divided by `_INNER`; median of several calls after a warm-up. (Timin
 jitted calls instead adds the host dispatch and a copy of the whole cache to every call,
 ~10 ms here, which inflates step costs and flattens their ratios.) N-gram costs ~0.
 
-`cost_curve` measures the same at a batch size: the seconds of a plain step, of scoring K+1
-tokens and of a draft call, for the batch-aware K policy (`specsamp.decoding.kpolicy`).
+`cost_curve` measures, for the batch-aware K policy (`specsamp.decoding.kpolicy`), the
+seconds of whole decoding rounds at a batch size: a plain round and a round at each K, as
+the continuous engine runs them (`ContinuousEngine.time_rounds`). Summing forwards instead
+(a target call of K+1 tokens plus K draft calls) left out what else a drafted round does
+(the drafter's refresh and head, the acceptance, the bookkeeping) and underrated drafting's
+cost: at batch 32 here such a sum put a K = 1 round at 1.78 plain rounds where the engine's
+took 2.07, and the policy drafted at 0.8x the plain rounds' tokens per second.
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ import os
 import platform
 import statistics
 import time
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 
@@ -48,14 +51,11 @@ def _plain(cfg: ModelConfig):
     return ModelDrafter(cfg, 1, SamplingParams())
 
 
-def _timer(model, params, tokens_per_call: int, slots: int, batch: int = 1,
-           kv_cache: str = "float32"):
-    """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`;
-    kv_cache: the type its cache holds (`config.KV_CACHES`)."""
-    cache = init_cache(model.cfg, batch, slots, jnp.dtype(kv_cache))
-    tokens = jnp.zeros((batch, tokens_per_call), jnp.int32)
-    positions = jnp.broadcast_to(100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None],
-                                 (batch, tokens_per_call))
+def _timer(model, params, tokens_per_call: int, slots: int):
+    """model: a drafter (its own `forward`, e.g. a reduced head) or `_plain(cfg)`."""
+    cache = init_cache(model.cfg, 1, slots)
+    tokens = jnp.zeros((1, tokens_per_call), jnp.int32)
+    positions = 100 + jnp.arange(tokens_per_call, dtype=jnp.int32)[None]
     jax.block_until_ready(_steps(model, params, tokens, positions, cache))  # compile
 
     def once() -> float:
@@ -90,57 +90,41 @@ def measure_cost_ratio(engine) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CostCurve:
-    """Measured seconds per call at one batch size (rows) and cache size (slots):
-    score[T]: a target call of T tokens per row (T = 1: a plain step; K + 1: scoring K
-    draft tokens); draft: one draft call of one token per row (0 without a draft model)."""
+    """Measured seconds of one decoding round of `batch` rows (slots) at each K: rounds[0]
+    a plain round, rounds[K] a round that drafts K tokens and scores K+1."""
 
     batch: int
-    score: dict[int, float]
-    draft: float
+    rounds: dict[int, float]
 
 
-def _curve_path(engine, batch: int, slots: int, tokens: Sequence[int]) -> str:
+def _curve_path(cont, slots: int, width: int) -> str:
     from specsamp.quant.kernels import isa, library_digest
 
+    engine = cont.engine
     drafter = engine.prog.drafter
     # the native kernels' build and the code they run too (SPECSAMP_ISA may cap it): a
     # rebuilt or capped kernel changes every cost
-    ident = repr((jax.devices()[0].device_kind, platform.machine(), jax.__version__,
+    ident = repr(("rounds", jax.devices()[0].device_kind, platform.machine(), jax.__version__,
                   library_digest(), isa(), engine.prog.target, engine.prog.kv_cache,
-                  drafter.with_k(1) if drafter is not None else None,
-                  batch, slots, sorted(tokens)))
+                  engine.prog.sampling, drafter.with_k(1) if drafter is not None else None,
+                  engine.max_new_tokens, cont.batch, tuple(cont.ks), slots, width))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp"))
     return os.path.join(root, "costs", f"{name}.json")
 
 
-def cost_curve(engine, batch: int, ks: Sequence[int], slots: int, repeats: int = 5) -> CostCurve:
-    """The step costs at `batch` rows for K in ks (0: a plain step), measured once per
-    machine, model, drafter and shape and cached on disk under $SPECSAMP_CACHE/costs."""
-    tokens = sorted({1} | {k + 1 for k in ks})
-    path = _curve_path(engine, batch, slots, tokens)
+def cost_curve(cont, slots: int, width: int, repeats: int = 5) -> CostCurve:
+    """The round costs of continuous engine `cont` (its batch, its K values) at `slots`
+    cache slots and prompts `width` tokens wide, measured once per machine, model,
+    drafter, settings and shape, and cached on disk under $SPECSAMP_CACHE/costs."""
+    path = _curve_path(cont, slots, width)
     if os.path.exists(path):
         with open(path) as fh:
             raw = json.load(fh)
-        return CostCurve(batch, {int(t): s for t, s in raw["score"].items()}, raw["draft"])
-
-    plain = _plain(engine.prog.target)
-    timers = {t: _timer(plain, engine.target_params, t, slots, batch, engine.prog.kv_cache)
-              for t in tokens}  # (a draft model's own cache stays float32)
-    drafter = engine.prog.drafter
-    if drafter is not None and drafter.uses_cache:
-        timers["draft"] = _timer(drafter, engine.draft_params, 1, slots, batch)
-    # Interleaved rounds, each call timed against the plain step of its own round: the
-    # policy compares costs across K, and on a machine whose load changes, separate
-    # measurements skewed those ratios (scoring 2 tokens at batch 1 once read 1.36 plain
-    # steps; interleaved, 1.13-1.16 in two runs).
-    rounds = [{name: timer() for name, timer in timers.items()} for _ in range(repeats)]
-    step = statistics.median(r[1] for r in rounds)
-    cost = {name: step * statistics.median(r[name] / r[1] for r in rounds) for name in timers}
-    score = {t: cost[t] for t in tokens}
-    draft = cost.get("draft", 0.0)
+        return CostCurve(cont.batch, {int(k): s for k, s in raw["rounds"].items()})
+    rounds = cont.time_rounds(slots, width, repeats)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as fh:
-        json.dump({"score": score, "draft": draft}, fh)
+        json.dump({"rounds": rounds}, fh)
     os.replace(path + ".tmp", path)  # atomic: parallel workers never read half a file
-    return CostCurve(batch, score, draft)
+    return CostCurve(cont.batch, rounds)

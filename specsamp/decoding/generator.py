@@ -198,7 +198,7 @@ class Generator:
                 chunk_rounds=16 if (self.spec.stop or auto) else 1 << 30)
         cont = self._continuous
         if cont.policy is None and len(cont.ks) > 1:
-            cont.policy = auto_policy(self.engine, cont.batch, cont.slots_for(ids))
+            cont.policy = auto_policy(cont, ids)
         stop_check = self._stop_check if self.spec.stop else None
         raws = cont.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check,
                         progress=progress)

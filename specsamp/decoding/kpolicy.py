@@ -1,9 +1,10 @@
 """Batch-aware speculation (`--k auto`): before each chunk of rounds, pick the K (0 = plain
 autoregressive rounds) that maximises the batch's expected tokens per second.
 
-A round at K costs score[K+1] + K * draft seconds for the whole batch (measured once per
-machine, `specsamp.decoding.costs.cost_curve`: memory-bound and nearly flat in K at small batches,
-compute-bound and growing with K at large ones), and yields, for each running row with
+A round at K costs the seconds the engine's own round program takes for the whole batch
+(measured once per machine, `specsamp.decoding.costs.cost_curve`: drafting, scoring K+1
+tokens, acceptance and bookkeeping; cheap in K at small batches, growing with K at large
+ones), and yields, for each running row with
 acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the paper's cost model;
 SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
 estimate, shrunk toward the batch's pooled rate so that a fresh row starts from what its
@@ -73,7 +74,7 @@ class KPolicy:
         self.chosen: list[int] = []
 
     def round_seconds(self, k: int) -> float:
-        return self.curve.score[k + 1] + k * self.curve.draft
+        return self.curve.rounds[k]
 
     def alphas(self, accepted: np.ndarray, tested: np.ndarray) -> np.ndarray:
         pooled = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
@@ -117,9 +118,10 @@ AUTO_KS = (0, 1, 2, 4)  # the K values `--k auto` switches between (one program 
 WIDE_LOOKUP = 3
 
 
-def auto_policy(engine, batch: int, slots: int, ks: Sequence[int] = AUTO_KS) -> KPolicy:
-    """The policy for `engine` (its drafter at any K) at `batch` slots of `slots` cache
-    slots, from this machine's cost curve (measured on first use, then read from disk)."""
+def auto_policy(cont, prompts) -> KPolicy:
+    """The policy for continuous engine `cont` (its batch, its K values) on a run of
+    `prompts`, from this machine's round costs at that shape (measured on first use, then
+    read from disk)."""
     from specsamp.decoding.costs import cost_curve
 
-    return KPolicy(cost_curve(engine, batch, ks, slots), ks)
+    return KPolicy(cost_curve(cont, cont.slots_for(prompts), cont.width_for(prompts)), cont.ks)
