@@ -167,6 +167,47 @@ def test_plain_chunks_run_until_slots_free():
     assert policy.calls <= len(PROMPTS) < cont.k_rounds[0] / 2
 
 
+def test_a_run_the_policy_keeps_plain_goes_without_the_drafter(monkeypatch):
+    """A K policy whose measured rounds make drafting dear puts fresh rows at K = 0, and a
+    plain run never changes that: the run then inserts and decodes without the drafter (no
+    drafter in any program it compiles or runs) and its rows have the tokens and statistics
+    of plain rounds with the drafter (sampled: the same seeds, the same tokens). Where
+    drafting is cheap the drafter stays. Catches a detached run whose samples differ, and a
+    run that feeds a drafter it never uses."""
+    from specsamp.decoding import continuous
+    from specsamp.decoding.costs import CostCurve
+    from specsamp.decoding.kpolicy import KPolicy
+
+    progs = []
+    real = continuous.compiled
+
+    def spy(fn, static, traced):
+        if "prog" in static or "variant" in static:  # inserts, chunks, resyncs
+            progs.append(static["prog"] if "prog" in static else static["variant"].prog)
+        return real(fn, static, traced)
+
+    monkeypatch.setattr(continuous, "compiled", spy)
+    sp = SamplingParams(1.0, 0, 0.9)
+    eng = _eos_engine(sp, "feature", 3, max_new=20)
+    ks = (0, 1, 3)
+    dear = ContinuousEngine(eng, batch=3, ks=ks, chunk_rounds=4,
+                            policy=KPolicy(CostCurve(3, {0: 1.0, 1: 10.0, 3: 30.0}), ks))
+    got = dear.run(PROMPTS, SEEDS)
+    assert progs and all(p.drafter is None for p in progs) and set(dear.k_rounds) == {0}
+    attached = ContinuousEngine(eng, batch=3, ks=ks, policy=_Plain(), chunk_rounds=4)
+    progs.clear()
+    for row, plain in zip(got, attached.run(PROMPTS, SEEDS)):
+        assert row.token_ids == plain.token_ids
+        assert (row.stop_reason, row.accepted, row.calls, row.draft_calls, row.drafted) == (
+            plain.stop_reason, plain.accepted, plain.calls, plain.draft_calls, plain.drafted)
+    assert all(p.drafter is not None for p in progs)
+    cheap = ContinuousEngine(eng, batch=3, ks=ks, chunk_rounds=4,
+                             policy=KPolicy(CostCurve(3, {0: 1.0, 1: 1.0, 3: 1.0}), ks))
+    progs.clear()
+    cheap.run(PROMPTS, SEEDS)
+    assert all(p.drafter is not None for p in progs) and set(cheap.k_rounds) - {0}
+
+
 def test_prefill_groups_cover_rows_once_at_their_own_passes():
     """Catches a plan that drops or repeats a row, runs a row for fewer or more prefill
     passes than its own, or makes shapes other than powers of two; and one that splits

@@ -182,10 +182,18 @@ class ContinuousEngine:
         for ids in prompts:
             eng.check_prompt(ids)
         n = len(prompts)
-        state = eng.place(empty_state(eng.prog, self.batch, self.slots_for(prompts), eng.max_new_tokens))
+        prog = eng.prog
+        fresh = getattr(self.policy, "fresh_choice", None)
+        if prog.drafter is not None and fresh is not None and self.ks[fresh(self.depth)] == 0:
+            # The policy puts fresh rows at K = 0, and plain rounds test no draft, so every
+            # chunk of this run would choose K = 0 (`KPolicy.fresh_choice`): the run goes
+            # without the drafter, computing what the autoregressive engine computes (no
+            # drafter prefill, no drafter state), with the same tokens as plain rounds.
+            prog = dataclasses.replace(prog, drafter=None)
+        state = eng.place(empty_state(prog, self.batch, self.slots_for(prompts), eng.max_new_tokens))
         eos = jnp.asarray(np.array(eng.eos_ids or (-1,), np.int32))
         stops = jnp.asarray(np.array(tuple(stop_ids) or (-1,), np.int32))
-        run = _Run(self, prompts, seeds, state)
+        run = _Run(self, prompts, seeds, state, prog)
         while run.pending or run.active():
             run.refill()
             t0 = time.perf_counter()  # a drafter's resync (in _choose) is decode time too
@@ -217,6 +225,8 @@ class ContinuousEngine:
         return run.results
 
     def _choose(self, run: "_Run") -> tuple[Variant, int]:
+        if run.prog is not self.engine.prog:  # a run without the drafter
+            return Variant(run.prog), 0
         if self.policy is None or len(self.ks) == 1:
             return self._variants[0], self.ks[0]
         i = self.policy(*run.acceptance())
@@ -236,8 +246,8 @@ class _Run:
     """Host bookkeeping of one `ContinuousEngine.run`: the queue, who sits in which slot,
     and each prompt's own prefill and decode time."""
 
-    def __init__(self, owner: ContinuousEngine, prompts, seeds, state):
-        self.owner, self.prompts, self.state = owner, prompts, state
+    def __init__(self, owner: ContinuousEngine, prompts, seeds, state, prog: Program):
+        self.owner, self.prompts, self.state, self.prog = owner, prompts, state, prog
         self.width = owner.width_for(prompts)  # inserted prompts pad to it
         self.seeds = [s % (1 << 32) for s in seeds]
         self.pending = collections.deque(range(len(prompts)))
@@ -320,7 +330,7 @@ class _Run:
                       state=self.state, prompts=jnp.asarray(padded), lens=jnp.asarray(lens),
                       seeds=jnp.asarray(seeds), slots=jnp.asarray(where),
                       chunks=jnp.int32(chunks))
-        exe, seconds = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens), traced)
+        exe, seconds = compiled(insert, dict(prog=self.prog, max_new=eng.max_new_tokens), traced)
         self.compile_s += seconds
         t0 = time.perf_counter()
         self.state = exe(**traced)

@@ -100,13 +100,24 @@ class KPolicy:
     def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None) -> int:
         """depth: (accepted, tested) draft tokens by position, pooled over rows
         (`depth_counts`), or None for the plain model."""
+        best = self._best(accepted, tested, depth)
+        self.chosen.append(self.ks[best])
+        return best
+
+    def fresh_choice(self, depth=None) -> int:
+        """The index chosen for rows none of which has tested a draft token yet (each at
+        the pooled prior), not recorded. A run whose first chunk this puts at K = 0 stays
+        there: plain rounds test no draft, so the choice's inputs never change (the
+        continuous engine then runs it without the drafter, `ContinuousEngine.run`)."""
+        return self._best(np.zeros(1), np.zeros(1), depth)
+
+    def _best(self, accepted, tested, depth) -> int:
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
         by_position = None if depth is None else self.position_rates(depth)
         speeds = [self.tokens_per_second(k, alpha, by_position) for k in self.ks]
         best = int(np.argmax(speeds))
         if 0 in self.ks and speeds[best] < (1 + self.margin) * speeds[self.ks.index(0)]:
             best = self.ks.index(0)
-        self.chosen.append(self.ks[best])
         return best
 
 
