@@ -225,8 +225,8 @@ class ContinuousEngine:
         return run.results
 
     def _choose(self, run: "_Run") -> tuple[Variant, int]:
-        if run.prog is not self.engine.prog:  # a run without the drafter
-            return Variant(run.prog), 0
+        if run.prog.drafter is None and self.engine.prog.drafter is not None:
+            return Variant(run.prog), 0  # a run without the drafter (see `run`)
         if self.policy is None or len(self.ks) == 1:
             return self._variants[0], self.ks[0]
         i = self.policy(*run.acceptance())

@@ -12,7 +12,7 @@ the continuous engine runs them (`ContinuousEngine.time_rounds`). Summing forwar
 (a target call of K+1 tokens plus K draft calls) left out what else a drafted round does
 (the drafter's refresh and head, the acceptance, the bookkeeping) and underrated drafting's
 cost: at batch 32 here such a sum put a K = 1 round at 1.78 plain rounds where the engine's
-took 2.07, and the policy drafted at 0.8x the plain rounds' tokens per second.
+took 2.07, and the policy drafted there at 0.6-0.8x the plain rounds' tokens per second.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+
 import jax
 import jax.numpy as jnp
 
