@@ -157,6 +157,19 @@ def test_static_settings_run_each_batch_in_turn(recorded):
     assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4
 
 
+def test_static_auto_computes_whole_static_batches(recorded):
+    """With K auto a static setting runs on a continuous engine with nothing to refill; it
+    must not move a batch's last rows into fewer slots either (a static batch computes all
+    its slots until its longest row ends, as the static baseline does), or it gains what
+    batching, not speculation, gives. The last batch here has 2 prompts in 4 slots, which
+    a compacting engine moves into 2 slots; continuous settings still compact."""
+    load, calls = recorded
+    run_throughput(load, PROMPTS, "ngram", ["auto"], [4], ["static", "continuous"])
+    static = {s for s, group in calls if len(group) <= 4 and s.cont is not None}
+    assert len(static) == 1 and set(static.pop().cont.slot_rounds) == {4}
+    assert all(s.cont.compact for s, group in calls if len(group) == len(PROMPTS))
+
+
 def test_repeats_alternate_the_order_of_settings(recorded):
     """Odd runs take the settings in reverse order (static: within each batch; continuous:
     the whole stream), so that a drift of the machine's speed falls on all settings alike."""

@@ -55,11 +55,11 @@ class Measure:
     k_rounds: dict = dataclasses.field(default_factory=dict)
 
 
-def _continuous(engine, batch: int, k, prompts) -> ContinuousEngine:
+def _continuous(engine, batch: int, k, prompts, compact: bool = True) -> ContinuousEngine:
     if k != AUTO:
-        return ContinuousEngine(engine, batch)
+        return ContinuousEngine(engine, batch, compact=compact)
     # Chunks of 16 rounds at most: the policy re-decides K as acceptance estimates move.
-    cont = ContinuousEngine(engine, batch, ks=AUTO_KS, chunk_rounds=16)
+    cont = ContinuousEngine(engine, batch, ks=AUTO_KS, chunk_rounds=16, compact=compact)
     cont.policy = auto_policy(cont, prompts)
     return cont
 
@@ -67,11 +67,13 @@ def _continuous(engine, batch: int, k, prompts) -> ContinuousEngine:
 class _Setting:
     """One setting's engine and running totals, fed groups of the prompts in turn:
     `static` through the static engine (with K auto, a continuous engine with nothing to
-    refill), `continuous` through `batch` slots. Seeds are the prompts' indices."""
+    refill that never moves its rows into fewer slots either, so that it computes what a
+    static batch computes), `continuous` through `batch` slots. Seeds are the prompts'
+    indices."""
 
     def __init__(self, engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k):
         self.engine, self.prompts, self.m = engine, prompts, Measure()
-        self.cont = (_continuous(engine, batch, k, prompts)
+        self.cont = (_continuous(engine, batch, k, prompts, compact=batching == "continuous")
                      if batching == "continuous" or k == AUTO else None)
 
     def add(self, group: Sequence[int]) -> None:

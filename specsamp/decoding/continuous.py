@@ -115,6 +115,7 @@ class ContinuousEngine:
     policy: PolicyFn | None = None
     chunk_rounds: int = 1 << 30  # rounds per device call at most (stop strings, the K policy)
     refill_fraction: float = 0.125  # return to the host once this share of slots is free
+    compact: bool = True  # move a run's last rows into fewer slots (`_Run.compact`)
 
     def __post_init__(self):
         self.ks = tuple(self.ks) or (self.engine.prog.k,)
@@ -277,7 +278,7 @@ class _Run:
     def compacts(self) -> bool:
         """Whether this run moves its last rows into fewer slots (not on a split target:
         the state's placement is the engine's)."""
-        return len(self.slot_row) >= 2 and self.owner.engine.mesh is None
+        return self.owner.compact and len(self.slot_row) >= 2 and self.owner.engine.mesh is None
 
     def compact(self) -> None:
         """With no prompt left to insert and at most half the slots running, move the running
