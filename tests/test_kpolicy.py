@@ -94,7 +94,7 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
     def no_timing(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(ContinuousEngine, "time_rounds", no_timing)
+    monkeypatch.setattr(costs, "time_rounds", no_timing)
     assert costs.cost_curve(cont, slots=128, width=16) == first
     # a rebuilt kernel library is a different machine for its costs, and so is the same
     # build running other code (SPECSAMP_ISA=avx512 on an AMX machine): measured afresh
@@ -116,17 +116,17 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
 
 
 def test_rounds_are_timed_as_the_engine_runs_them(monkeypatch):
-    """time_rounds runs each K's own chunk program, `rounds` rounds a call, from the same
+    """costs.time_rounds runs each K's own chunk program, `rounds` rounds a call, from the same
     prefilled state: a K = 2 call drafts (2 draft tokens tested per row and round), a plain
     call does not, and neither stops early."""
-    from specsamp.decoding import continuous
+    from specsamp.decoding import continuous, costs
     from specsamp.decoding.config import SamplingParams
     from specsamp.decoding.continuous import ContinuousEngine
     from tests.test_exactness import make_engine
 
     cont = ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4), 2, ks=(0, 2))
     seen = []
-    real = continuous.compiled
+    real = costs.compiled
 
     def spy(fn, static, traced):
         exe, seconds = real(fn, static, traced)
@@ -140,8 +140,8 @@ def test_rounds_are_timed_as_the_engine_runs_them(monkeypatch):
             return state, ran
         return run, seconds
 
-    monkeypatch.setattr(continuous, "compiled", spy)
-    rounds = cont.time_rounds(slots=128, width=16, repeats=2, rounds=3)
+    monkeypatch.setattr(costs, "compiled", spy)
+    rounds = costs.time_rounds(cont, slots=128, width=16, repeats=2, rounds=3)
     assert sorted(rounds) == [0, 2] and all(s > 0 for s in rounds.values())
     assert [(plain, ran) for plain, ran, _ in seen] == [(True, 3), (False, 3)] * 2
     assert [drafted for plain, _, drafted in seen if not plain] == [2, 2]

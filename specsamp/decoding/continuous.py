@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -30,8 +29,7 @@ import numpy as np
 
 from specsamp.compilation import compiled
 from specsamp.decoding import stats
-from specsamp.decoding.decode import (Program, _ar_round, _spec_round, gather_rows, insert, new_state,
-                                      prefill_chunks)
+from specsamp.decoding.decode import Program, _ar_round, _spec_round, gather_rows, insert, new_state
 from specsamp.decoding.engine import Engine, RawSample, prefill_groups, prompt_bucket
 from specsamp.decoding.kpolicy import depth_counts
 from specsamp.decoding.rounds import from_log, round_logs
@@ -120,7 +118,9 @@ class ContinuousEngine:
     def __post_init__(self):
         self.ks = tuple(self.ks) or (self.engine.prog.k,)
         prog = self.engine.prog
-        self._variants = [Variant(prog) if prog.drafter is None
+        # one compiled chunk program per K of ks (`decode_chunk`; also what
+        # `costs.time_rounds` times)
+        self.variants = [Variant(prog) if prog.drafter is None
                           else Variant(prog, plain=True) if k == 0
                           else Variant(dataclasses.replace(prog, drafter=prog.drafter.with_k(k)))
                           for k in self.ks]
@@ -140,39 +140,6 @@ class ContinuousEngine:
         """Cache slots per row for a run of `prompts` (one size for every slot)."""
         need = self.width_for(prompts) + self.engine.max_new_tokens + max(*self.ks, self.engine.prog.span) + 2
         return -(-need // 128) * 128
-
-    def time_rounds(self, slots: int, width: int, repeats: int = 5, rounds: int = 4) -> dict[int, float]:
-        """Seconds of one round at each K of ks (0: plain), as `run` runs it: the chunk
-        program of that K, `rounds` rounds a call, over all `batch` rows prefilled with
-        `width` random tokens (in which a lookup drafter finds no match: the drafter's
-        model round, the dearer one) and never stopping. The K values take turns in each of
-        `repeats` repeats, each from a copy of the same state; a K's seconds are the median
-        over repeats of its ratio to the first K's in the same repeat, times the first K's
-        median (a drift of the machine's speed falls on every K alike)."""
-        eng, b = self.engine, self.batch
-        prompts = np.random.default_rng(0).integers(0, eng.prog.target.vocab_size, (b, width))
-        traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
-                      state=eng.place(empty_state(eng.prog, b, slots, eng.max_new_tokens)),
-                      prompts=jnp.asarray(prompts, jnp.int32), lens=jnp.full((b,), width, jnp.int32),
-                      seeds=jnp.zeros((b,), jnp.uint32), slots=jnp.arange(b, dtype=jnp.int32),
-                      chunks=jnp.int32(prefill_chunks(width)))
-        exe, _ = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens), traced)
-        start = jax.block_until_ready(exe(**traced))
-        never = jnp.asarray(np.array([-1], np.int32))
-        traced = dict(target_params=eng.target_params, draft_params=eng.draft_params, state=start,
-                      eos_ids=never, stop_ids=never, max_rounds=jnp.int32(rounds),
-                      refill_at=jnp.int32(b + 1))
-        calls = [compiled(decode_chunk, dict(variant=v), traced)[0] for v in self._variants]
-        seconds = [[] for _ in calls]
-        for _ in range(repeats):
-            for i, exe in enumerate(calls):
-                state = jax.block_until_ready(jax.tree.map(jnp.copy, start))  # the call donates it
-                t0 = time.perf_counter()
-                ran = int(exe(**{**traced, "state": state})[1])  # waits for the call
-                seconds[i].append((time.perf_counter() - t0) / max(ran, 1))
-        first = statistics.median(seconds[0])
-        return {k: first * statistics.median(s / s0 for s, s0 in zip(times, seconds[0]))
-                for k, times in zip(self.ks, seconds)}
 
     def run(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], stop_ids=(),
             should_stop: Callable[[int, list[int]], bool] | None = None,
@@ -229,9 +196,9 @@ class ContinuousEngine:
         if run.prog.drafter is None and self.engine.prog.drafter is not None:
             return Variant(run.prog), 0  # a run without the drafter (see `run`)
         if self.policy is None or len(self.ks) == 1:
-            return self._variants[0], self.ks[0]
+            return self.variants[0], self.ks[0]
         i = self.policy(*run.acceptance())
-        variant = self._variants[i]
+        variant = self.variants[i]
         if run.plain and not variant.plain and variant.prog.drafter.uses_cache:
             eng = self.engine
             width = min(prompt_bucket(int(np.asarray(run.state.length).max())), run.state.tokens.shape[1])

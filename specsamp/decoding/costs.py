@@ -8,7 +8,7 @@ jitted calls instead adds the host dispatch and a copy of the whole cache to eve
 
 `cost_curve` measures, for the batch-aware K policy (`specsamp.decoding.kpolicy`), the
 seconds of whole decoding rounds at a batch size: a plain round and a round at each K, as
-the continuous engine runs them (`ContinuousEngine.time_rounds`). Summing forwards instead
+the continuous engine runs them (`time_rounds`). Summing forwards instead
 (a target call of K+1 tokens plus K draft calls) left out what else a drafted round does
 (the drafter's refresh and head, the acceptance, the bookkeeping) and underrated drafting's
 cost: at batch 32 here such a sum put a K = 1 round at 1.78 plain rounds where the engine's
@@ -27,7 +27,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specsamp.compilation import compiled
 from specsamp.models import ModelConfig, init_cache
 
 
@@ -114,6 +116,43 @@ def _curve_path(cont, slots: int, width: int) -> str:
     return os.path.join(root, "costs", f"{name}.json")
 
 
+def time_rounds(cont, slots: int, width: int, repeats: int = 5, rounds: int = 4) -> dict[int, float]:
+    """Seconds of one round of continuous engine `cont` at each K of its ks (0: plain), as
+    its `run` runs it: the chunk program of that K, `rounds` rounds a call, over all its
+    `batch` rows prefilled with `width` random tokens (in which a lookup drafter finds no
+    match: the drafter's model round, the dearer one) and never stopping. The K values take
+    turns in each of `repeats` repeats, each from a copy of the same state; a K's seconds
+    are the median over repeats of its ratio to the first K's in the same repeat, times the
+    first K's median (a drift of the machine's speed falls on every K alike)."""
+    from specsamp.decoding.continuous import decode_chunk, empty_state
+    from specsamp.decoding.decode import insert, prefill_chunks
+
+    eng, b = cont.engine, cont.batch
+    prompts = np.random.default_rng(0).integers(0, eng.prog.target.vocab_size, (b, width))
+    traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
+                  state=eng.place(empty_state(eng.prog, b, slots, eng.max_new_tokens)),
+                  prompts=jnp.asarray(prompts, jnp.int32), lens=jnp.full((b,), width, jnp.int32),
+                  seeds=jnp.zeros((b,), jnp.uint32), slots=jnp.arange(b, dtype=jnp.int32),
+                  chunks=jnp.int32(prefill_chunks(width)))
+    exe, _ = compiled(insert, dict(prog=eng.prog, max_new=eng.max_new_tokens), traced)
+    start = jax.block_until_ready(exe(**traced))
+    never = jnp.asarray(np.array([-1], np.int32))
+    traced = dict(target_params=eng.target_params, draft_params=eng.draft_params, state=start,
+                  eos_ids=never, stop_ids=never, max_rounds=jnp.int32(rounds),
+                  refill_at=jnp.int32(b + 1))
+    calls = [compiled(decode_chunk, dict(variant=v), traced)[0] for v in cont.variants]
+    seconds = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, exe in enumerate(calls):
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, start))  # the call donates it
+            t0 = time.perf_counter()
+            ran = int(exe(**{**traced, "state": state})[1])  # waits for the call
+            seconds[i].append((time.perf_counter() - t0) / max(ran, 1))
+    first = statistics.median(seconds[0])
+    return {k: first * statistics.median(s / s0 for s, s0 in zip(times, seconds[0]))
+            for k, times in zip(cont.ks, seconds)}
+
+
 def cost_curve(cont, slots: int, width: int, repeats: int = 5) -> CostCurve:
     """The round costs of continuous engine `cont` (its batch, its K values) at `slots`
     cache slots and prompts `width` tokens wide, measured once per machine, model,
@@ -123,7 +162,7 @@ def cost_curve(cont, slots: int, width: int, repeats: int = 5) -> CostCurve:
         with open(path) as fh:
             raw = json.load(fh)
         return CostCurve(cont.batch, {int(k): s for k, s in raw["rounds"].items()})
-    rounds = cont.time_rounds(slots, width, repeats)
+    rounds = time_rounds(cont, slots, width, repeats)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as fh:
         json.dump({"rounds": rounds}, fh)
