@@ -135,9 +135,9 @@ def recorded(tmp_path, monkeypatch):
 
     target = make_tiny_checkpoint(str(tmp_path / "t"), n_layers=2)
     calls = []
-    add = throughput._Setting.add
-    monkeypatch.setattr(throughput._Setting, "add",
-                        lambda self, group: (calls.append((self, tuple(group))), add(self, group)))
+    feed = throughput._Setting.feed
+    monkeypatch.setattr(throughput._Setting, "feed",
+                        lambda self, group: (calls.append((self, tuple(group))), feed(self, group))[1])
 
     def load(draft, k):
         return load_generator(GeneratorSpec(target=target, draft=draft, k=k, max_new_tokens=4))
@@ -155,6 +155,37 @@ def test_static_settings_run_each_batch_in_turn(recorded):
     assert len({s for s, _ in calls[:6]}) == 2
     assert [group for _, group in calls[6:]] == [tuple(range(len(PROMPTS)))] * 2
     assert [r["prompts"] for r in rows] == [len(PROMPTS)] * 4
+
+
+def test_continuous_settings_take_turns_chunk_by_chunk(recorded, monkeypatch):
+    """Continuous streams are interleaved too: each setting runs one chunk of its stream in
+    turn (the engines keep their own slots), until one has no chunk left."""
+    from specsamp.decoding.continuous import ContinuousEngine
+
+    load, _ = recorded
+    chunks = []
+    steps = ContinuousEngine.steps
+
+    def recorded_steps(self, *args, **kwargs):
+        inner = steps(self, *args, **kwargs)
+        while True:
+            try:
+                next(inner)
+            except StopIteration as done:
+                return done.value
+            chunks.append(self)
+            yield
+
+    monkeypatch.setattr(ContinuousEngine, "steps", recorded_steps)
+    rows = run_throughput(load, PROMPTS, "ngram", [2], [2], ["continuous"])
+    a, b = chunks[0], chunks[1]
+    assert a is not b
+    n = min(chunks.count(a), chunks.count(b))
+    assert n >= 3  # several refills per stream (6 prompts, 2 slots)
+    assert chunks[:2 * n] == [a, b] * n
+    # each stream ran whole, its own: greedy, both settings counted every prompt's tokens
+    alone = load("none", 1).generate(PROMPTS, list(range(len(PROMPTS))))
+    assert [r["generated_tokens"] for r in rows] == [sum(len(c.token_ids) for c in alone)] * 2
 
 
 def test_static_auto_computes_whole_static_batches(recorded):

@@ -1,8 +1,10 @@
 """Throughput benchmark (`specsamp bench --throughput`): tokens per second of a batch job,
 per batch size, drafter and K (a fixed K or `auto`, the batch-aware policy), with static
 batches (a batch runs until its longest row ends) and continuous batching (free slots are
-refilled), EOS on, on the same prompts, in one process; with static batches every setting
-runs each batch in turn before the next batch (interleaved under the same machine noise).
+refilled), EOS on, on the same prompts, in one process. Settings take turns, so that they
+run under the same machine noise: with static batches every setting runs each batch before
+the next batch starts, with continuous batching every setting runs one chunk of its stream
+in turn (`_take_turns`).
 With `repeats` > 1 the whole schedule runs that many times on the same engines (odd runs take
 the settings in reverse order, so that a drift of the machine falls on all alike); every
 figure pools the runs (tokens and seconds summed), and `speedups` lists each run's own
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from specsamp.decoding import stats
 from specsamp.decoding.continuous import ContinuousEngine
@@ -76,13 +78,17 @@ class _Setting:
         self.cont = (_continuous(engine, batch, k, prompts, compact=batching == "continuous")
                      if batching == "continuous" or k == AUTO else None)
 
-    def add(self, group: Sequence[int]) -> None:
+    def feed(self, group: Sequence[int]) -> Iterator[None]:
+        """Runs the prompts of `group`, yielding after each device call of a continuous
+        engine (a static batch is one call), so that settings can take turns
+        (`_take_turns`)."""
         m, prompts = self.m, [self.prompts[i] for i in group]
         m.prompts += len(prompts)
         m.prompt_tokens += sum(len(p) for p in prompts)
         if self.cont is not None:
             cont = self.cont
-            m.generated += sum(len(r.token_ids) for r in cont.run(prompts, list(group)))
+            samples = yield from cont.steps(prompts, list(group))
+            m.generated += sum(len(r.token_ids) for r in samples)
             m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
             m.rounds = sum(m.k_rounds.values())
             return
@@ -91,6 +97,17 @@ class _Setting:
         m.decode_s += rows[0].batch_decode_s
         m.rounds += rows[0].batch_rounds
         m.generated += sum(len(r.token_ids) for r in rows)
+
+
+def _take_turns(feeds: Sequence[Iterator[None]]) -> None:
+    """Advances each of `feeds` by one step in turn until all are done: settings take
+    turns call by call, so that a slow spell of the machine falls on all of them alike."""
+    feeds = list(feeds)
+    while feeds:
+        feeds = [f for f in feeds if next(f, _DONE) is not _DONE]
+
+
+_DONE = object()
 
 
 def _groups(n: int, batch: int, batching: str) -> list[range]:
@@ -148,19 +165,17 @@ def run_throughput(
                 gen = load(drafter, k)  # "auto": the generator the policy runs (wide rounds too)
                 gens.append((gen.draft_id, k, gen))
             settings = [_Setting(gen.engine, ids, batch, batching, k) for _, k, gen in gens]
-            # Static batches run every setting in turn before the next batch, so that a
-            # slow spell of the machine falls on all of them alike (continuous batching
-            # needs the whole stream: its settings run one after the other).
+            # Settings take turns, so that a slow spell of the machine falls on all of
+            # them alike: static batches batch by batch (every setting runs batch i before
+            # any runs batch i + 1), continuous streams chunk by chunk (each setting's
+            # engine keeps its own slots between its turns).
             runs = []  # each setting's (generated tokens, decode seconds) after each run
             for run in range(repeats):
-                # Odd runs take the settings in reverse order: a drift of the machine's
-                # speed over the runs then falls on every setting alike (continuous
-                # settings run one after the other, so their first run alone would favour
-                # whichever ran on the faster side of a drift).
+                # Odd runs take the settings in reverse order: which one goes first in a
+                # turn then alternates too.
                 order = settings if run % 2 == 0 else settings[::-1]
                 for group in _groups(len(ids), batch, batching):
-                    for setting in order:
-                        setting.add(group)
+                    _take_turns([setting.feed(group) for setting in order])
                 runs.append([(s.m.generated, s.m.decode_s) for s in settings])
             rates = _run_rates(runs)
             base = settings[0].m

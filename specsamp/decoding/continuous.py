@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +146,20 @@ class ContinuousEngine:
             progress: Callable[[int], None] | None = None) -> list[RawSample]:
         """Like `Engine.run`, for any number of prompts; `should_stop(i, ids)` gets the
         prompt's index i."""
+        steps = self.steps(prompts, seeds, stop_ids, should_stop, progress)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], stop_ids=(),
+              should_stop: Callable[[int, list[int]], bool] | None = None,
+              progress: Callable[[int], None] | None = None,
+              ) -> Generator[None, None, list[RawSample]]:
+        """`run`, one chunk at a time: a generator that yields after each chunk of rounds
+        and returns the samples, so that a caller can take turns between engines
+        (`specsamp bench --throughput` runs its continuous settings so)."""
         eng = self.engine
         for ids in prompts:
             eng.check_prompt(ids)
@@ -190,6 +204,7 @@ class ContinuousEngine:
             run.collect()
             if progress is not None:
                 progress(n - len(run.pending) - len(run.active()))
+            yield
         return run.results
 
     def _choose(self, run: "_Run") -> tuple[Variant, int]:
