@@ -79,9 +79,9 @@ class _Setting:
                      if batching == "continuous" or k == AUTO else None)
 
     def feed(self, group: Sequence[int]) -> Iterator[None]:
-        """Runs the prompts of `group`, yielding after each device call of a continuous
-        engine (a static batch is one call), so that settings can take turns
-        (`_take_turns`)."""
+        """Runs the prompts of `group`, yielding after each chunk of rounds of a continuous
+        engine (a static batch runs whole, without yielding), so that settings can take
+        turns (`_take_turns`)."""
         m, prompts = self.m, [self.prompts[i] for i in group]
         m.prompts += len(prompts)
         m.prompt_tokens += sum(len(p) for p in prompts)
@@ -99,15 +99,15 @@ class _Setting:
         m.generated += sum(len(r.token_ids) for r in rows)
 
 
+_DONE = object()
+
+
 def _take_turns(feeds: Sequence[Iterator[None]]) -> None:
     """Advances each of `feeds` by one step in turn until all are done: settings take
     turns call by call, so that a slow spell of the machine falls on all of them alike."""
     feeds = list(feeds)
     while feeds:
         feeds = [f for f in feeds if next(f, _DONE) is not _DONE]
-
-
-_DONE = object()
 
 
 def _groups(n: int, batch: int, batching: str) -> list[range]:
