@@ -160,23 +160,12 @@ def test_static_settings_run_each_batch_in_turn(recorded):
 def test_continuous_settings_take_turns_chunk_by_chunk(recorded, monkeypatch):
     """Continuous streams are interleaved too: each setting runs one chunk of its stream in
     turn (the engines keep their own slots), until one has no chunk left."""
-    from specsamp.decoding.continuous import ContinuousEngine
+    from specsamp.decoding import continuous
 
     load, _ = recorded
-    chunks = []
-    steps = ContinuousEngine.steps
-
-    def recorded_steps(self, *args, **kwargs):
-        inner = steps(self, *args, **kwargs)
-        while True:
-            try:
-                next(inner)
-            except StopIteration as done:
-                return done.value
-            chunks.append(self)
-            yield
-
-    monkeypatch.setattr(ContinuousEngine, "steps", recorded_steps)
+    chunks = []  # the engine of each chunk, in order (a run collects once per chunk)
+    collect = continuous._Run.collect
+    monkeypatch.setattr(continuous._Run, "collect", lambda run: (chunks.append(run.owner), collect(run))[1])
     rows = run_throughput(load, PROMPTS, "ngram", [2], [2], ["continuous"])
     a, b = chunks[0], chunks[1]
     assert a is not b
@@ -203,7 +192,8 @@ def test_static_auto_computes_whole_static_batches(recorded):
 
 def test_repeats_alternate_the_order_of_settings(recorded):
     """Odd runs take the settings in reverse order (static: within each batch; continuous:
-    the whole stream), so that a drift of the machine's speed falls on all settings alike."""
+    which stream runs the first chunk of each turn), so that a drift of the machine's speed
+    falls on all settings alike."""
     load, calls = recorded
     run_throughput(load, PROMPTS[:4], "ngram", [2], [2], ["static", "continuous"], repeats=2)
     static, stream = calls[:8], calls[8:]
