@@ -100,7 +100,9 @@ ROWS_CASES = [("Q4_1", 130, 64), ("Q8_0", 130, 64), ("Q4_1", 112, 96), ("Q8_0", 
 def test_kernel_rows_independent_of_batch(kind, n, c):
     """Catches a kernel whose result for a row depends on the other rows in the call: the
     K+1 scoring block must give what single steps give (greedy equality rests on it), and
-    the many-row path (prefill, large batches) what the one-row path gives, bit for bit."""
+    the many-row path (prefill, large batches) what the one-row path gives, bit for bit. On
+    AMX, q4 calls of 8 rows or more write x as pairs instead of limbs (amx.h): the same
+    numbers."""
     _kernel_or_skip()
     fields = from_gguf_blocks(random_blocks(kind, n, c, seed=4), kind, n, c)
     w = qweight(fields, "cpu")
@@ -233,12 +235,14 @@ def test_tile_layout_reads_as_the_gguf_one(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_tile_products_within_the_limbs_bound(kind):
+@pytest.mark.parametrize("rows_x", [7, 20])
+def test_tile_products_within_the_limbs_bound(kind, rows_x):
     """Catches limbs that hold less of x than documented (amx.h: each row as integers below
     2^22 times a power of two, an error of at most 2^-22 of the row's largest |x|): every
     product on the tile path is within that rounding's bound, sum_k 2^-22 max|x_r| |w_nk|,
     plus float32's own rounding of the sums, of the float64 product; rows of very
-    different scales, one with a single large input (the others are rounded against it)."""
+    different scales, one with a single large input (the others are rounded against it).
+    20 rows: q4 takes pairs (amx.h), q8 two passes of limbs."""
     _kernel_or_skip()
     if not kernels.amx():
         pytest.skip(f"no AMX here ({kernels.isa()})")
@@ -246,8 +250,8 @@ def test_tile_products_within_the_limbs_bound(kind):
     fields = from_gguf_blocks(random_blocks(kind, n, c, seed=50), kind, n, c)
     w = qweight(fields, "cpu")
     assert w.layout == "tiles"
-    x = np.random.default_rng(11).normal(size=(7, c)).astype(np.float32)
-    x *= np.float32(10.0) ** np.arange(-3, 4, dtype=np.float32)[:, None]
+    x = np.random.default_rng(11).normal(size=(rows_x, c)).astype(np.float32)
+    x *= np.float32(10.0) ** (np.arange(rows_x, dtype=np.float32) % 7 - 3)[:, None]
     x[2, 5] = 1000.0
     ref = np.asarray(dequantize(qweight(fields, "xla")), np.float64)
     want = x.astype(np.float64) @ ref.T

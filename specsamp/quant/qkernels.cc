@@ -333,6 +333,10 @@ void q8_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
       case 9: return name<(most >= 9 ? 9 : most)>(p, n0, n1, r0);                          \
       case 10: return name<(most >= 10 ? 10 : most)>(p, n0, n1, r0);                        \
       case 11: return name<(most >= 11 ? 11 : most)>(p, n0, n1, r0);                        \
+      case 12: return name<(most >= 12 ? 12 : most)>(p, n0, n1, r0);                        \
+      case 13: return name<(most >= 13 ? 13 : most)>(p, n0, n1, r0);                        \
+      case 14: return name<(most >= 14 ? 14 : most)>(p, n0, n1, r0);                        \
+      case 15: return name<(most >= 15 ? 15 : most)>(p, n0, n1, r0);                        \
       default: return name<most>(p, n0, n1, r0);                                       \
     }                                                                                  \
   }
@@ -342,18 +346,21 @@ SPECSAMP_DISPATCH(q4_avx2, 8)
 SPECSAMP_DISPATCH(q8_avx2, 8)
 
 #ifdef SPECSAMP_AMX
-// Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, up to 10 rows
-// of x a pass (two tiles of limbs, prepared once per call in p.limbs).
-template <int NR, bool Q4>
+// Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, x's rows in
+// two tiles a pass (10 rows as limbs, 16 as pairs), prepared once per call in p.limbs.
+template <int NR, bool Q4, bool Pairs>
 void amx_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
-  specsamp::amx::product<NR, Q4>(p.codes, static_cast<const uint16_t*>(p.scale), p.min, p.cols,
-                                 p.n, *p.limbs, r0, p.y, n0 / 16, n1 / 16);
+  specsamp::amx::product<NR, Q4, Pairs>(p.codes, static_cast<const uint16_t*>(p.scale), p.min,
+                                        p.cols, p.n, *p.limbs, r0, p.y, n0 / 16, n1 / 16);
 }
 template <int NR>
-void amx_q4(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, true>(p, n0, n1, r0); }
+void amx_q4(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, true, false>(p, n0, n1, r0); }
 template <int NR>
-void amx_q8(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, false>(p, n0, n1, r0); }
+void amx_q4_pairs(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, true, true>(p, n0, n1, r0); }
+template <int NR>
+void amx_q8(const Problem& p, int64_t n0, int64_t n1, int64_t r0) { amx_tile<NR, false, false>(p, n0, n1, r0); }
 SPECSAMP_DISPATCH(amx_q4, 10)
+SPECSAMP_DISPATCH(amx_q4_pairs, 16)
 SPECSAMP_DISPATCH(amx_q8, 10)
 #endif
 
@@ -396,13 +403,17 @@ using Gemm = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 struct Choice {
   Kernel kernel;
-  int64_t rows;          // rows per pass the kernel takes
-  Gemm gemm = nullptr;   // the many-row path for this matrix, where it takes it
+  int64_t rows;           // rows per pass the kernel takes
+  Gemm gemm = nullptr;    // the many-row path for this matrix, where it takes it
+  int64_t row_block = 60;  // rows of an item: whole passes that start where x's tiles do
 };
 
 Choice pick(bool q4, bool tiles, int64_t block, int64_t cols, int64_t n, int64_t rows) {
 #ifdef SPECSAMP_AMX
-  if (tiles) return {q4 ? amx_q4_rows : amx_q8_rows, specsamp::amx::kMaxRows};
+  using specsamp::amx::Scheme;
+  if (tiles && specsamp::amx::pairs_for(q4, rows))
+    return {amx_q4_pairs_rows, Scheme<true>::kMaxRows, nullptr, 4 * Scheme<true>::kMaxRows};
+  if (tiles) return {q4 ? amx_q4_rows : amx_q8_rows, Scheme<false>::kMaxRows};
 #else
   (void)tiles;  // `problem` refuses the tile layout in a build without the tile path
 #endif
@@ -434,22 +445,24 @@ Choice pick(bool q4, bool tiles, int64_t block, int64_t cols, int64_t n, int64_t
 #ifdef SPECSAMP_AMX
 // x's rows as limbs for the tile unit (amx.h), once per call, the passes split between
 // the threads. The buffers are the calling thread's, reused by its next calls.
+template <bool Pairs>
 specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) {
+  using S = specsamp::amx::Scheme<Pairs>;
   const int64_t rows = first.rows, cols = first.cols, nb = cols / 32;
-  const int64_t passes = (rows + specsamp::amx::kRows - 1) / specsamp::amx::kRows;
+  const int64_t passes = (rows + S::kRows - 1) / S::kRows;
   thread_local std::vector<int8_t> limbs;
   thread_local std::vector<float> sums, scale;
   // (not zeroed: a tile loads only the limb rows of rows that exist, all written below)
-  limbs.resize(passes * nb * 16 * 32);
+  limbs.resize(passes * nb * 16 * S::kWidth);
   sums.resize(rows * nb);
   scale.resize(rows);
   // (pointers, not the names: a helper thread's `limbs` would be its own thread_local)
   int8_t* const l = limbs.data();
   float *const s = sums.data(), *const sc = scale.data();
   specsamp::parallel_for(pool, passes, [&](int64_t pass) {
-    const int64_t end = std::min(rows, (pass + 1) * specsamp::amx::kRows);
-    for (int64_t r = pass * specsamp::amx::kRows; r < end; ++r)
-      specsamp::amx::prepare_row(first.x + r * cols, cols, l, r, s, sc);
+    const int64_t end = std::min(rows, (pass + 1) * S::kRows);
+    for (int64_t r = pass * S::kRows; r < end; ++r)
+      specsamp::amx::prepare_row<Pairs>(first.x + r * cols, cols, l, r, s, sc);
   });
   return {l, s, sc};
 }
@@ -468,8 +481,9 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
     chunks += (p.n + chunk - 1) / chunk;
   }
   // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 10 that start at
-  // multiples of 5, as x's limb tiles do)
-  constexpr int64_t row_block = 60;
+  // multiples of 5, or of 16 at multiples of 8, as x's tiles do). A call's matrices share
+  // it: tile calls are all q4 or all q8, with the same rows.
+  const int64_t row_block = firsts.front().second.row_block;
   const int64_t rows = problems.front().rows, blocks = (rows + row_block - 1) / row_block;
   specsamp::parallel_for(pool, blocks * chunks, [&](int64_t item) {
     const int64_t c = item % chunks, rb = item / chunks;
@@ -561,7 +575,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   // of the call's matrices.
   specsamp::amx::Limbs limbs{};
   if (tiles) {
-    limbs = prepare_limbs(problems.front(), pool);
+    const Problem& first = problems.front();
+    limbs = specsamp::amx::pairs_for(bits == 4, first.rows) ? prepare_limbs<true>(first, pool)
+                                                            : prepare_limbs<false>(first, pool);
     for (Problem& p : problems) p.limbs = &limbs;
   }
 #endif
