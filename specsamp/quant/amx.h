@@ -88,7 +88,7 @@ struct alignas(64) TileConfig {
 // compute the same integer sum_i X_i q_i of a block exactly and round it once to float, so
 // they give the same bits; pairs move a third fewer tile rows per row of x and take 16 rows
 // a pass instead of 10, but unpack twice the codes per pass: slower below 8 rows (kernel
-// alone, 1536 x 576 Q4_1, one core: 1 row 0.87x, 5 rows 0.96x; 8 rows 1.16x, 32 rows
+// alone, 1536 x 576 Q4_1, one core: 1 row 0.87x, 5 rows 0.88-0.96x; 8 rows 1.16x, 32 rows
 // 1.17x; 576 x 1536 at 32 rows 1.31x).
 template <bool Pairs>
 struct Scheme {
