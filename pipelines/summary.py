@@ -14,6 +14,7 @@ import math
 from specsamp.analysis.outputs import live
 from specsamp.decoding import stats
 from specsamp.loading.fs import filesystem, glob, join
+from specsamp.runconfig import k_label
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]
 _COLUMNS = _KEY + ["mode", "generated_tokens", "target_calls", "accepted_per_loop",
@@ -51,12 +52,12 @@ class Summary:
             *([f"{self.errors} samples failed ({', '.join(f'{k}: {v}' for k, v in sorted(self.error_kinds.items()))}); "
                "the error table's 'error' column says why; --retry-errors [KIND,...] attempts them again"]
               if self.errors else []),
-            f"{'mode':15s} {'draft':>{width}s} {'K':>2s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
+            f"{'mode':15s} {'draft':>{width}s} {'K':>4s} {'rows':>5s} {'accept':>7s} {'tok/call':>8s} "
             f"{'ms/token':>9s} {'speed-up':>8s}",
         ]
         base = next((s.ms_per_token for s in self.settings if s.mode == "autoregressive"), math.nan)
         for s in self.settings:
-            lines.append(f"{s.mode:15s} {s.draft:>{width}s} {s.k:2d} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
+            lines.append(f"{s.mode:15s} {s.draft:>{width}s} {k_label(s.k):>4s} {s.rows:5d} {_fmt(s.acceptance, 7, 3)} "
                          f"{_fmt(s.tokens_per_call, 8, 2)} {_fmt(s.ms_per_token, 9, 1)} "
                          f"{_fmt(stats.speedup(base, s.ms_per_token), 8, 2, 'x')}")
         if not math.isnan(base):

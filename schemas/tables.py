@@ -35,7 +35,7 @@ _RUN_FIELDS = [
     _f("mode", pa.string(), "'speculative' or 'autoregressive' (the baseline)."),
     _f("target", pa.string(), "Target model identifier (path or 'smollm2' for the default)."),
     _f("draft", pa.string(), "Drafter: a path, 'ngram', 'early-exit:L', or 'none'."),
-    _f("k", pa.int32(), "Draft tokens per loop (0 for autoregressive)."),
+    _f("k", pa.int32(), "Draft tokens per loop, the setting's K (0 for autoregressive; -1 for `k: auto`, the batch-aware policy, which picks K each round: drafted_per_loop holds what it picked)."),
     _f("temperature", pa.float32(), "Sampling temperature (0 = greedy)."),
     _f("top_k", pa.int32(), "Top-k filter (0 = off)."),
     _f("top_p", pa.float32(), "Nucleus filter (1.0 = off)."),

@@ -26,6 +26,11 @@ BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on t
 K_AUTO = -1  # a setting's k for `k: auto` (an int, so that output tables keep an int column)
 
 
+def k_label(k: int) -> str:
+    """A k as people read it: `auto` for K_AUTO (the output tables' -1), else the number."""
+    return "auto" if k == K_AUTO else str(k)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One generation setting: a drafter and its K (`draft: none` is the baseline)."""
@@ -40,12 +45,11 @@ class Setting:
     @property
     def key(self) -> str:
         """Identifies the setting in output rows (with the prompt id: the resume key)."""
-        return f"{self.draft}|{'auto' if self.k == K_AUTO else self.k}"
+        return f"{self.draft}|{k_label(self.k)}"
 
     @property
     def label(self) -> str:
-        k = "auto" if self.k == K_AUTO else self.k
-        return "baseline" if self.draft == "none" else f"{self.draft} K={k}"
+        return "baseline" if self.draft == "none" else f"{self.draft} K={k_label(self.k)}"
 
 
 @dataclasses.dataclass(frozen=True)

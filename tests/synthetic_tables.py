@@ -16,9 +16,11 @@ RUN = dict(dataset="humaneval", target="smollm2", top_k=0, top_p=1.0, run_id="r1
 
 def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s=1.0,
                    prefill_s=0.1, accepted=(4, 2), tokens=None, cost_ratio=0.1,
-                   completion="", extra=None, id=None, dataset="humaneval") -> dict:
-    """One row; loops and token counts follow the engine's rules (tokens = sum(accepted) + loops)."""
+                   completion="", extra=None, id=None, dataset="humaneval", drafted=None) -> dict:
+    """One row; loops and token counts follow the engine's rules (tokens = sum(accepted) + loops).
+    `drafted`: each loop's K where it varies (`k: auto`, k = -1); else k every loop."""
     accepted = list(accepted) if mode == "speculative" else []
+    drafted = list(drafted) if drafted is not None else [k] * len(accepted)
     if tokens is None:
         tokens = sum(accepted) + len(accepted) if accepted else 10
     loops = len(accepted) if accepted else tokens
@@ -29,9 +31,9 @@ def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s
         "generated_tokens": tokens, "stop_reason": "max_tokens",
         "mode": mode, "draft": "d" if mode == "speculative" else "none",
         "k": k if mode == "speculative" else 0, "temperature": temperature, "seed": i,
-        "target_calls": loops, "draft_calls": k * loops if mode == "speculative" else 0,
-        "accepted_per_loop": accepted, "drafted_per_loop": [k] * len(accepted),
-        "acceptance_rate": sum(accepted) / (k * len(accepted)) if accepted else float("nan"),
+        "target_calls": loops, "draft_calls": sum(drafted) if mode == "speculative" else 0,
+        "accepted_per_loop": accepted, "drafted_per_loop": drafted,
+        "acceptance_rate": sum(accepted) / sum(drafted) if accepted else float("nan"),
         "tokens_per_call": tokens / loops if loops else float("nan"), "prefill_s": prefill_s, "decode_s": decode_s,
         "total_s": prefill_s + decode_s,
         "ms_per_token": 1000.0 * decode_s / tokens if tokens else float("nan"), "compile_s": 0.0,

@@ -199,6 +199,45 @@ def test_cli_json_and_plots(sweep, tmp_path_factory, capsys):
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 10_000
 
 
+def test_auto_setting_reads_auto_in_tables_and_figures(tmp_path, tmp_path_factory, capsys):
+    """Catches `k: auto` rows (k = -1 in the output tables) shown as K = -1, or drawn at
+    K = -1 in the per-K figures (which failed with a traceback): the text tables and the run
+    summary say auto, the JSON keeps the tables' -1, the latency figure draws auto beside
+    the fixed K, the per-K figures leave it out, and a run of auto alone still plots."""
+    from pipelines.summary import summarize as run_summary
+    from specsamp.analysis import plots
+
+    rng = np.random.default_rng(9)
+    ar = [completion_row(i, mode="autoregressive", decode_s=float(rng.uniform(0.5, 1.5)))
+          for i in range(12)]
+    fixed = random_rows(rng, 12, k=2)
+    auto = [completion_row(i, k=-1, accepted=[2, 1, 4, 0], drafted=[2, 2, 4, 1],
+                           decode_s=float(rng.uniform(0.3, 0.9))) for i in range(12)]
+    write(tmp_path / "completions-0.parquet", ar + fixed + auto)
+    out = tmp_path_factory.mktemp("plots")
+    assert cli.main(["report", str(tmp_path), "--plot", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ks = {line.split()[2] for line in lines if line.startswith("humaneval") and "speculative" in line}
+    assert ks == {"2", "auto"}
+    assert cli.main(["report", str(tmp_path), "--json"]) == 0
+    assert {d["key"]["k"] for d in json.loads(capsys.readouterr().out)} == {0, 2, -1}
+    for name in ("ms_per_token_vs_k.png", "accepted_per_loop.png", "acceptance_by_position.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    groups = report.summarize(outputs.connect(outputs.resolve([str(tmp_path)])), ("mode", "k"))
+    [(base, spec, autos)] = plots._series(groups).values()
+    assert [g.k for g in spec] == [2] and [g.k for g in autos] == [-1]
+    auto_group = autos[0]
+    assert auto_group.acceptance_rate == pytest.approx(7 / 9)  # accepted over drafted, per round's K
+    summary = run_summary(str(tmp_path)).text()
+    assert any(line.startswith("speculative") and " auto " in line for line in summary.splitlines())
+
+    alone = tmp_path_factory.mktemp("auto_only")
+    write(alone / "completions-0.parquet", ar + auto)
+    figures = tmp_path_factory.mktemp("auto_only_plots")
+    assert cli.main(["report", str(alone), "--plot", str(figures)]) == 0
+    assert sorted(p.name for p in figures.iterdir()) == ["ms_per_token_vs_k.png"]
+
+
 def test_paired_interval_covers_true_ratio_and_is_tighter():
     """Prompts differ a lot in ms/token, shared by both modes; the paired interval removes
     that spread: it covers the true ratio about 95% of the time and is much narrower."""

@@ -10,6 +10,9 @@
 
 A series is one dataset and sampling setting (the grouping keys other than mode, k and
 draft); figures 2 and 3 are drawn once per series, with a suffix when there are several.
+Settings with `k: auto` (K chosen each round, no one K to put on an axis) are dotted
+horizontal lines in the first figure, beside the baseline's, and are left out of the other
+two.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 
 from specsamp.analysis import report
 from specsamp.decoding import stats
+from specsamp.runconfig import K_AUTO
 
 _DPI = 150
 
@@ -34,15 +38,18 @@ def _pyplot():
 
 
 def _series(groups: list[report.Group]) -> dict:
-    """{series key: (autoregressive group or None, speculative groups sorted by K)}."""
+    """{series key: (autoregressive group or None, speculative groups of one K sorted by K,
+    `k: auto` groups)}."""
     out: dict = {}
     for g in groups:
-        base, spec = out.setdefault(report.baseline_key(g.key), [None, []])
+        entry = out.setdefault(report.baseline_key(g.key), [None, [], []])
         if g.key.get("mode") == "autoregressive" and g.samples:
-            out[report.baseline_key(g.key)][0] = g
+            entry[0] = g
+        elif g.speculative and g.samples and g.k == K_AUTO:
+            entry[2].append(g)
         elif g.speculative and g.samples and g.k:
-            spec.append(g)
-    return {k: (b, sorted(s, key=lambda g: g.k)) for k, (b, s) in out.items() if s}
+            entry[1].append(g)
+    return {k: (b, sorted(s, key=lambda g: g.k), a) for k, (b, s, a) in out.items() if s or a}
 
 
 def _label(key: tuple) -> str:
@@ -62,7 +69,9 @@ def write_all(con, by, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     plt = _pyplot()
     paths = [_latency_figure(plt, series, os.path.join(out_dir, "ms_per_token_vs_k.png"))]
-    for key, (_, spec) in series.items():
+    for key, (_, spec, _) in series.items():
+        if not spec:
+            continue
         suffix = f"-{_slug(key)}" if len(series) > 1 else ""
         title = _label(key)
         paths.append(_histogram_figure(plt, spec, title, os.path.join(out_dir, f"accepted_per_loop{suffix}.png")))
@@ -80,21 +89,23 @@ def _latency_figure(plt, series: dict, path: str) -> str:
     fig, (ax, ax_s) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [3, 2]})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = _short_labels(list(series))
-    for i, (base, spec) in enumerate(series.values()):
+    for i, (base, spec, autos) in enumerate(series.values()):
         color = colors[i % len(colors)]
         _latency_panel(ax, base, spec, color, names[i], base_color="0.3" if len(series) == 1 else color)
         _speedup_panel(ax_s, spec, color)
+        for g in autos:
+            _auto_lines(ax, ax_s, g, color)
     ax.set(xlabel="K (draft tokens per loop)", ylabel="decode ms per token",
            title="Latency per token: mean and P10-P90 of samples")
     ax.set_ylim(bottom=0)
     ax_s.axhline(1.0, color="0.5", lw=0.8)
     ax_s.set(xlabel="K (draft tokens per loop)", ylabel="speed-up vs autoregressive",
              title="Speed-up: measured (95% CI) and cost model")
-    ks = sorted({g.k for _, spec in series.values() for g in spec})
+    ks = sorted({g.k for _, spec, _ in series.values() for g in spec})
     for a in (ax, ax_s):
         a.set_xticks(ks)
         a.grid(alpha=0.3)
-    _legends(ax, ax_s)
+    _legends(ax, ax_s, auto=any(autos for _, _, autos in series.values()))
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -107,7 +118,7 @@ def _short_labels(keys: list[tuple]) -> list[str]:
     return [_label(tuple(k[i] for i in varying)) for k in keys]
 
 
-def _legends(ax, ax_s) -> None:
+def _legends(ax, ax_s, auto: bool = False) -> None:
     """Line styles explained once; with several series, their colours named in the left panel."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -115,6 +126,8 @@ def _legends(ax, ax_s) -> None:
     grey = "0.35"
     style = [Patch(color=grey, alpha=0.25, label="P10-P90 of per-sample ms/token"),
              Line2D([], [], color=grey, ls="--", label="autoregressive mean (band: its P10-P90)")]
+    if auto:
+        style.append(Line2D([], [], color=grey, ls=":", label="k auto (K chosen per round): mean"))
     handles, _ = ax.get_legend_handles_labels()
     ax.legend(handles=handles + style, fontsize=8, loc="upper center",
               bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
@@ -136,6 +149,20 @@ def _latency_panel(ax, base, spec, color, name, base_color) -> None:
         ax.annotate(f"autoregressive {b.mean:.1f} ms", (1.0, b.mean), xycoords=("axes fraction", "data"),
                     xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
                     fontsize=8, color=base_color)
+
+
+def _auto_lines(ax, ax_s, g, color) -> None:
+    """A `k: auto` group: its mean ms/token and measured speed-up as dotted lines."""
+    mean = g.ms_per_token.mean
+    ax.axhline(mean, color=color, ls=":", lw=1.5)
+    ax.annotate(f"k auto {mean:.1f} ms", (0.0, mean), xycoords=("axes fraction", "data"),
+                xytext=(4, 3), textcoords="offset points", ha="left", va="bottom", fontsize=8,
+                color=color)
+    if g.speedup is not None:
+        ax_s.axhline(g.speedup.measured, color=color, ls=":", lw=1.5)
+        ax_s.annotate(f"k auto {g.speedup.measured:.2f}x", (0.0, g.speedup.measured),
+                      xycoords=("axes fraction", "data"), xytext=(4, -3), textcoords="offset points",
+                      ha="left", va="top", fontsize=8, color=color)
 
 
 def _speedup_panel(ax, spec, color) -> None:

@@ -38,6 +38,7 @@ import math
 
 from specsamp.decoding import stats
 from specsamp.errors import UserError
+from specsamp.runconfig import k_label
 
 GROUP_KEYS = (
     "dataset", "mode", "target", "draft", "k", "temperature", "top_k", "top_p",
@@ -313,7 +314,8 @@ def fmt(x, spec: str = ".3f") -> str:
 
 
 def key_cells(key: dict) -> list[str]:
-    return ["n/a" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in key.values()]
+    return ["n/a" if v is None else k_label(v) if k == "k" else f"{v:g}" if isinstance(v, float)
+            else str(v) for k, v in key.items()]
 
 
 def _mean_sd(s: Summary | None, spec: str) -> str:
