@@ -75,3 +75,24 @@ def test_generate_json_on_tiny_model(tmp_path):
         assert key in obj
     assert obj["generated_tokens"] == len(obj["token_ids"]) <= 8
     assert obj["draft_calls"] == obj["k"] * obj["target_calls"]
+
+
+def test_generate_says_auto_for_k_auto(tmp_path):
+    """Catches `generate --k auto` reporting the largest K the policy may pick as the K
+    (it printed K=4): JSON k is -1 as in the output tables, drafted_per_loop each round's
+    K, and the text says K=auto with the rounds at each K."""
+    import collections
+    import json
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    args = ["generate", "--prompt", "the quick", "--target", target, "--draft", "early-exit:1",
+            "--k", "auto", "--max-new-tokens", "8"]
+    out = _cli(args + ["--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["k"] == -1
+    assert len(obj["drafted_per_loop"]) == obj["target_calls"]
+    text = _cli(args, tmp_path)
+    assert text.returncode == 0, text.stderr
+    rounds = ", ".join(f"{k}: {n}" for k, n in sorted(collections.Counter(obj["drafted_per_loop"]).items()))
+    assert f"K=auto (rounds at K: {rounds})" in text.stderr, text.stderr

@@ -18,14 +18,20 @@ def register(sub) -> None:
     add_model_args(p)
     add_tensor_parallel_arg(p)
     add_sampling_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (k: -1 for --k auto, as in the output tables; "
+                        "drafted_per_loop: each round's K)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import collections
     import time
 
     from specsamp.decoding.generator import load_generator
+    from specsamp.decoding.kpolicy import K_AUTO
+    from specsamp.runconfig import K_AUTO as TABLE_K_AUTO
+    from specsamp.runconfig import k_label
 
     spec = spec_from(args, chat=args.chat, system=args.system, stop=tuple(args.stop),
                      stop_token_ids=tuple(args.stop_token_id), tensor_parallel=args.tensor_parallel)
@@ -34,14 +40,19 @@ def run(args) -> int:
         status(f"loading {spec.target or 'smollm2 (embedded default)'} with drafter {spec.draft} ...")
     gen = load_generator(spec)
     [c] = gen.generate([args.prompt], [args.seed])
+    s = c.stats()
+    if spec.k == K_AUTO and c.k:  # (a Completion's k is then the largest K the policy may pick)
+        s["k"] = TABLE_K_AUTO
     if args.json:
-        print_json({"text": c.text, "token_ids": list(c.token_ids), **c.stats()})
+        print_json({"text": c.text, "token_ids": list(c.token_ids), **s})
         return 0
     print(c.text)
-    s = c.stats()
+    rounds = collections.Counter(s["drafted_per_loop"])
     status(
         f"\n--- {s['generated_tokens']} tokens, stop: {s['stop_reason']}, mode: {s['mode']}"
-        + (f", drafter {gen.draft_id}, K={c.k}" if c.k else "")
+        + (f", drafter {gen.draft_id}, K={k_label(s['k'])}" if c.k else "")
+        + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in sorted(rounds.items())) + ")"
+           if s["k"] == TABLE_K_AUTO else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
         f"tokens/call {s['tokens_per_call']:.2f}"
         + (f", acceptance {s['acceptance_rate']:.2f}" if c.k else "")
