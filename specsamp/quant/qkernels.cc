@@ -443,8 +443,8 @@ Choice pick(bool q4, bool tiles, int64_t block, int64_t cols, int64_t n, int64_t
 // input rows (prefill: thousands) an item's block of x stays in the core's cache while it
 // sweeps the weights; the other order re-read all of x from memory for every weight chunk.
 #ifdef SPECSAMP_AMX
-// x's rows as limbs for the tile unit (amx.h), once per call, the passes split between
-// the threads. The buffers are the calling thread's, reused by its next calls.
+// x's rows for the tile unit (amx.h: as limbs, or as pairs), once per call, the tiles
+// split between the threads. The buffers are the calling thread's, reused by its next calls.
 template <bool Pairs>
 specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) {
   using S = specsamp::amx::Scheme<Pairs>;
