@@ -51,6 +51,7 @@ struct Problem {
   int64_t rows, cols, n, block;
   bool scale_f32;
   bool tiles;            // codes, scale, min in the tile layout (amx.h), for the AMX path
+  bool pairs = false;    // tiles: x's rows went to the tile unit as pairs, not limbs (amx.h)
 #ifdef SPECSAMP_AMX
   const specsamp::amx::Limbs* limbs = nullptr;  // tiles: x's rows as limbs (amx.h)
 #endif
@@ -408,14 +409,14 @@ struct Choice {
   int64_t row_block = 60;  // rows of an item: whole passes that start where x's tiles do
 };
 
-Choice pick(bool q4, bool tiles, int64_t block, int64_t cols, int64_t n, int64_t rows) {
+Choice pick(bool q4, bool tiles, bool pairs, int64_t block, int64_t cols, int64_t n, int64_t rows) {
 #ifdef SPECSAMP_AMX
   using specsamp::amx::Scheme;
-  if (tiles && specsamp::amx::pairs_for(q4, rows))
+  if (tiles && pairs)
     return {amx_q4_pairs_rows, Scheme<true>::kMaxRows, nullptr, 4 * Scheme<true>::kMaxRows};
   if (tiles) return {q4 ? amx_q4_rows : amx_q8_rows, Scheme<false>::kMaxRows};
 #else
-  (void)tiles;  // `problem` refuses the tile layout in a build without the tile path
+  (void)tiles, (void)pairs;  // `problem` refuses the tile layout in a build without the tile path
 #endif
   // A pass's rows of x should stay in L1 (~40 KB) while the pass sweeps its weight rows
   // (6 of 1536 inputs: 20% faster than 12). AVX-512 q4 passes take 6 rows for 2 output
@@ -477,7 +478,7 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
   for (const Problem& p : problems) {
-    firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.block, p.cols, p.n, p.rows));
+    firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.pairs, p.block, p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
   // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 10 that start at
@@ -576,9 +577,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   specsamp::amx::Limbs limbs{};
   if (tiles) {
     const Problem& first = problems.front();
-    limbs = specsamp::amx::pairs_for(bits == 4, first.rows) ? prepare_limbs<true>(first, pool)
-                                                            : prepare_limbs<false>(first, pool);
-    for (Problem& p : problems) p.limbs = &limbs;
+    const bool pairs = specsamp::amx::pairs_for(bits == 4, first.rows);  // x prepared once, one way
+    limbs = pairs ? prepare_limbs<true>(first, pool) : prepare_limbs<false>(first, pool);
+    for (Problem& p : problems) p.limbs = &limbs, p.pairs = pairs;
   }
 #endif
   run(problems, pool);
