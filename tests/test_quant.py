@@ -184,9 +184,9 @@ def test_one_call_for_several_matrices(kind):
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_kernels_on_other_instruction_sets(isa):
     """This machine runs the AMX or AVX-512 code; others run AVX-512 without tiles, the AVX2
-    or the portable loops (their own row limits per pass, their own decoding). Catches a
-    bug in those paths: the kernel tests above, rerun in a process whose kernels are capped
-    at `isa`."""
+    or the portable loops (their own row limits per pass, their own decoding; attention's
+    own score and weighted-sum loops). Catches a bug in those paths: the kernel tests above
+    and the attention kernel's, rerun in a process whose kernels are capped at `isa`."""
     import subprocess
     import sys
 
@@ -200,7 +200,9 @@ def test_kernels_on_other_instruction_sets(isa):
     assert probe.stdout.strip() == isa, probe.stderr[-2000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_matches or rows_independent or several_matrices or layer_view or argmax"],
+         os.path.join(os.path.dirname(__file__), "test_attention_kernel.py"),
+         "-k", "kernel_matches or rows_independent or several_matrices or layer_view or argmax "
+               "or rows_alike or ignores_later_slots"],
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout

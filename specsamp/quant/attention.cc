@@ -11,7 +11,8 @@
 // The exponential is a polynomial (no libm call), so loops vectorize; functions are
 // compiled for AVX-512, AVX2 and plain x86-64 and chosen at load time (target_clones).
 // With AVX-512 the query-key scores of 16 slots are reduced side by side (`scores_avx512`):
-// the serial horizontal sum per slot was two thirds of the kernel's time.
+// the serial horizontal sum per slot was two thirds of the kernel's time. Query heads that
+// share a KV head go through its keys and values together (`attend_heads`).
 //
 // The cache holds float32 or float16 (IEEE half, stored as uint16_t bits). At batch 32 the
 // kernel is bound by reading the cache (further query heads on the same keys cost little):
@@ -78,10 +79,17 @@ inline float tree_sum(float* acc) {
   return acc[0];
 }
 
+// Query heads attended together over their KV head's slots (see attend_heads).
+constexpr int kMaxGroup = 4;
+
 template <typename KV>  // the cache's element: float, or uint16_t (half)
-struct Fast {  // vector versions of attend_head's loops, where the CPU has them
+struct Fast {  // vector versions of attend_heads' loops, where the CPU has them
   void (*scores)(const float* qs, const KV* k, int64_t n, float* out) = nullptr;
-  void (*weighted)(const float* w, const KV* v, int64_t n, float inv, float* o) = nullptr;
+  // weighted[g - 1]: the weighted sums of g heads in one pass over the values
+  using Weighted = void (*)(const float* w, int64_t w_stride, const KV* v, int64_t n,
+                            const float* inv, float* const* o);
+  Weighted weighted[kMaxGroup] = {};
+  int group = 1;  // heads per pass over the values (their sums fill the vector registers)
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -138,27 +146,51 @@ void scores_avx512(const float* qs, const KV* k, int64_t n, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
 }
 
-// o = (sum over slots i < n of w[i] * v[i]) * inv for values v [n, E], E = 16 * C: even
-// and odd slots in two sums (two dependency chains), added at the end.
-template <int C, typename KV>
+// For each of G heads g: o[g] = (sum over slots i < n of w[g][i] * v[i]) * inv[g] for
+// values v [n, E], E = 16 * C, weights w[g] = w + g * w_stride: even and odd slots in two
+// sums (two dependency chains), added at the end. The heads share each load of the values;
+// every head's sums are those it gets alone (G = 1), in the same order.
+template <int G, int C, typename KV>
 __attribute__((target("avx512f")))
-void weighted_avx512(const float* w, const KV* v, int64_t n, float inv, float* o) {
-  __m512 a[2][C];
-  for (int p = 0; p < 2; ++p)
-    for (int c = 0; c < C; ++c) a[p][c] = _mm512_setzero_ps();
+void weighted_avx512(const float* w, int64_t w_stride, const KV* v, int64_t n, const float* inv,
+                     float* const* o) {
+  __m512 a[G][2][C];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < 2; ++p)
+      for (int c = 0; c < C; ++c) a[g][p][c] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 2 <= n; i += 2)
-    for (int p = 0; p < 2; ++p) {
-      const __m512 wi = _mm512_set1_ps(w[i + p]);
-      for (int c = 0; c < C; ++c)
-        a[p][c] = _mm512_fmadd_ps(wi, load16(v + (i + p) * 16 * C + 16 * c), a[p][c]);
+    for (int p = 0; p < 2; ++p)
+      for (int c = 0; c < C; ++c) {
+        const __m512 vi = load16(v + (i + p) * 16 * C + 16 * c);
+        for (int g = 0; g < G; ++g)
+          a[g][p][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i + p]), vi, a[g][p][c]);
+      }
+  if (i < n)  // an even slot
+    for (int c = 0; c < C; ++c) {
+      const __m512 vi = load16(v + i * 16 * C + 16 * c);
+      for (int g = 0; g < G; ++g)
+        a[g][0][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i]), vi, a[g][0][c]);
     }
-  if (i < n) {  // an even slot
-    const __m512 wi = _mm512_set1_ps(w[i]);
-    for (int c = 0; c < C; ++c) a[0][c] = _mm512_fmadd_ps(wi, load16(v + i * 16 * C + 16 * c), a[0][c]);
+  for (int g = 0; g < G; ++g) {
+    const __m512 scale = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(o[g] + 16 * c, _mm512_mul_ps(_mm512_add_ps(a[g][0][c], a[g][1][c]), scale));
   }
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(a[0][c], a[1][c]), scale));
+}
+
+// Scores and weighted sums of width E = 16 * C; groups of heads as large as keep their
+// 2 x C sums each within 24 of the 32 vector registers.
+template <int C, typename KV>
+Fast<KV> fast_for() {
+  Fast<KV> f;
+  f.scores = scores_avx512<C, KV>;
+  f.weighted[0] = weighted_avx512<1, C, KV>;
+  if constexpr (2 * C <= 12) f.weighted[1] = weighted_avx512<2, C, KV>;
+  if constexpr (3 * C <= 12) f.weighted[2] = weighted_avx512<3, C, KV>;
+  if constexpr (4 * C <= 12) f.weighted[3] = weighted_avx512<4, C, KV>;
+  f.group = std::min(kMaxGroup, std::max(1, 12 / C));
+  return f;
 }
 
 // The AVX-512 scores and weighted sums for head width E (a multiple of 16 up to 128), or
@@ -168,14 +200,14 @@ template <typename KV>
 Fast<KV> pick_fast(int64_t E) {
   if (specsamp::isa() < 2 || E % 16) return {};
   switch (E / 16) {
-    case 1: return {scores_avx512<1, KV>, weighted_avx512<1, KV>};
-    case 2: return {scores_avx512<2, KV>, weighted_avx512<2, KV>};
-    case 3: return {scores_avx512<3, KV>, weighted_avx512<3, KV>};
-    case 4: return {scores_avx512<4, KV>, weighted_avx512<4, KV>};
-    case 5: return {scores_avx512<5, KV>, weighted_avx512<5, KV>};
-    case 6: return {scores_avx512<6, KV>, weighted_avx512<6, KV>};
-    case 7: return {scores_avx512<7, KV>, weighted_avx512<7, KV>};
-    case 8: return {scores_avx512<8, KV>, weighted_avx512<8, KV>};
+    case 1: return fast_for<1, KV>();
+    case 2: return fast_for<2, KV>();
+    case 3: return fast_for<3, KV>();
+    case 4: return fast_for<4, KV>();
+    case 5: return fast_for<5, KV>();
+    case 6: return fast_for<6, KV>();
+    case 7: return fast_for<7, KV>();
+    case 8: return fast_for<8, KV>();
     default: return {};
   }
 }
@@ -184,75 +216,105 @@ template <typename KV>
 Fast<KV> pick_fast(int64_t) { return {}; }
 #endif
 
-// Queries of one (row b, query head h): T tokens. kc, vc: its KV head's [S, E] blocks;
-// scores is scratch [S + 16].
+// Softmax in place over scores[0..last] (the largest score subtracted; NaNs skipped in
+// the maximum, as std::max skips its second argument's); returns 1 / the sum.
+inline float softmax_in_place(float* scores, int64_t last) {
+  // The largest score: per lane, then over the lanes; a maximum is the same whatever the
+  // order.
+  float lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = -3.4e38f;
+  int64_t at = 0;
+  for (; at + kLanes <= last + 1; at += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], scores[at + l]);
+  for (; at <= last; ++at) lanes[0] = std::max(lanes[0], scores[at]);
+  float m = lanes[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
+  float part[kLanes] = {0};
+  int64_t slot = 0;
+  for (; slot + kLanes <= last + 1; slot += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      scores[slot + l] = exp_nonpositive(scores[slot + l] - m);
+      part[l] += scores[slot + l];
+    }
+  for (; slot <= last; ++slot) {
+    scores[slot] = exp_nonpositive(scores[slot] - m);
+    part[0] += scores[slot];
+  }
+  return 1.f / tree_sum(part);
+}
+
+// Queries of one row b, query heads h0..h0+G-1 (G <= kMaxGroup) sharing one KV head: T
+// tokens. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]. The heads
+// go through the keys together, block of 16 slots by block (a block is read from memory
+// for the first head and from the core's nearest cache for the others), and through the
+// values together where `fast` has a pass for G heads. Each head's numbers are those it
+// gets alone (G = 1), in the same order.
 template <typename KV>
 SPECSAMP_CLONES
-void attend_head(const Shape& s, int64_t b, int64_t h, const float* q, const int32_t* pos,
-                 const KV* kc, const KV* vc, float* out, float* scores, Fast<KV> fast) {
-  const int64_t E = s.dim;
+void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float* q,
+                  const int32_t* pos, const KV* kc, const KV* vc, float* out, float* scores,
+                  const Fast<KV>& fast) {
+  const int64_t E = s.dim, stride = s.slots + 16;
   for (int64_t t = 0; t < s.tokens; ++t) {
     const int64_t last = std::min<int64_t>(std::max<int32_t>(pos[b * s.tokens + t], 0), s.slots - 1);
-    const float* qv = q + ((b * s.tokens + t) * s.heads + h) * E;
-    // The next token's query (one row of a strided [B, T, H, E]: too far apart for the
+    const float* qv = q + ((b * s.tokens + t) * s.heads + h0) * E;  // G heads' queries
+    // The next token's queries (one row of a strided [B, T, H, E]: too far apart for the
     // hardware to fetch ahead; waiting for it was a quarter of a prefill's attention).
     if (t + 1 < s.tokens)
-      for (int64_t e = 0; e < E; e += 16) __builtin_prefetch(qv + s.heads * E + e);
-    alignas(64) float qs[256];
-    for (int64_t e = 0; e < E; ++e) qs[e] = qv[e] * s.scale;
+      for (int64_t e = 0; e < G * E; e += 16) __builtin_prefetch(qv + s.heads * E + e);
+    alignas(64) float qs[kMaxGroup][256];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t e = 0; e < E; ++e) qs[g][e] = qv[g * E + e] * s.scale;
     if (fast.scores) {
       // Slots past `last` are read but not used: a block of 16 computes each slot's score
       // on its own, so a last, partial block runs as a whole one where the cache has the
       // room (the scratch has 16 spare entries).
-      for (int64_t slot = 0; slot <= last; slot += 16)
-        fast.scores(qs, kc + slot * E, slot + 16 <= s.slots ? 16 : last + 1 - slot, scores + slot);
+      for (int64_t slot = 0; slot <= last; slot += 16) {
+        const int64_t n = slot + 16 <= s.slots ? 16 : last + 1 - slot;
+        // This block's values, for the weighted sums after the softmax: fetched while
+        // the scores compute, rather than on demand after them (float16 cache: 5-8% off
+        // steps of 8-32 rows; float32: no change).
+        for (int64_t e = 0; e < std::min<int64_t>(16, last + 1 - slot) * E; e += 64 / sizeof(KV))
+          __builtin_prefetch(vc + slot * E + e);
+        for (int64_t g = 0; g < G; ++g) fast.scores(qs[g], kc + slot * E, n, scores + g * stride + slot);
+      }
     } else {
       for (int64_t slot = 0; slot <= last; ++slot) {
         const KV* kv = kc + slot * E;
-        float acc[kLanes] = {0};
-        int64_t e0 = 0;
-        for (; e0 + kLanes <= E; e0 += kLanes)
-          for (int l = 0; l < kLanes; ++l) acc[l] += qs[e0 + l] * to_float(kv[e0 + l]);
-        for (int l = 0; e0 + l < E; ++l) acc[l] += qs[e0 + l] * to_float(kv[e0 + l]);
-        scores[slot] = tree_sum(acc);
+        for (int64_t g = 0; g < G; ++g) {
+          float acc[kLanes] = {0};
+          int64_t e0 = 0;
+          for (; e0 + kLanes <= E; e0 += kLanes)
+            for (int l = 0; l < kLanes; ++l) acc[l] += qs[g][e0 + l] * to_float(kv[e0 + l]);
+          for (int l = 0; e0 + l < E; ++l) acc[l] += qs[g][e0 + l] * to_float(kv[e0 + l]);
+          scores[g * stride + slot] = tree_sum(acc);
+        }
       }
     }
-    // The largest score (NaNs skipped, as std::max skips its second argument's): per
-    // lane, then over the lanes; a maximum is the same whatever the order.
-    float lanes[kLanes];
-    for (int l = 0; l < kLanes; ++l) lanes[l] = -3.4e38f;
-    int64_t at = 0;
-    for (; at + kLanes <= last + 1; at += kLanes)
-      for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], scores[at + l]);
-    for (; at <= last; ++at) lanes[0] = std::max(lanes[0], scores[at]);
-    float m = lanes[0];
-    for (int l = 1; l < kLanes; ++l) m = std::max(m, lanes[l]);
-    float part[kLanes] = {0};
-    int64_t slot = 0;
-    for (; slot + kLanes <= last + 1; slot += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        scores[slot + l] = exp_nonpositive(scores[slot + l] - m);
-        part[l] += scores[slot + l];
-      }
-    for (; slot <= last; ++slot) {
-      scores[slot] = exp_nonpositive(scores[slot] - m);
-      part[0] += scores[slot];
+    float inv[kMaxGroup];
+    float* o[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) {
+      inv[g] = softmax_in_place(scores + g * stride, last);
+      o[g] = out + ((b * s.tokens + t) * s.heads + h0 + g) * E;
     }
-    const float total = tree_sum(part);
-    float* o = out + ((b * s.tokens + t) * s.heads + h) * E;
-    const float inv = 1.f / total;
-    if (fast.weighted) {
-      fast.weighted(scores, vc, last + 1, inv, o);
+    if (fast.weighted[G - 1]) {
+      fast.weighted[G - 1](scores, stride, vc, last + 1, inv, o);
       continue;
     }
-    float acc[2][256] = {};  // even and odd slots, as weighted_avx512 sums them
-    for (int64_t sl = 0; sl <= last; ++sl) {
-      const float w = scores[sl];
-      const KV* vv = vc + sl * E;
-      float* a = acc[sl & 1];
-      for (int64_t e = 0; e < E; ++e) a[e] += w * to_float(vv[e]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* w = scores + g * stride;
+      if (fast.weighted[0]) {
+        fast.weighted[0](w, stride, vc, last + 1, inv + g, o + g);
+        continue;
+      }
+      float acc[2][256] = {};  // even and odd slots, as weighted_avx512 sums them
+      for (int64_t sl = 0; sl <= last; ++sl) {
+        const KV* vv = vc + sl * E;
+        float* a = acc[sl & 1];
+        for (int64_t e = 0; e < E; ++e) a[e] += w[sl] * to_float(vv[e]);
+      }
+      for (int64_t e = 0; e < E; ++e) o[g][e] = (acc[0][e] + acc[1][e]) * inv[g];
     }
-    for (int64_t e = 0; e < E; ++e) o[e] = (acc[0][e] + acc[1][e]) * inv;
   }
 }
 
@@ -287,20 +349,24 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* queries, con
   write_cache(s, v, pos, vc);
   // Work items, split between the caller and the pool (parallel.h). With few rows, one
   // item per (row, query head): one row's 9 heads keep two cores busy where its 3 KV heads
-  // did not. With more, one item per (row, KV head) running the heads that share it one
-  // after the other: their keys and values come from memory once and stay in the core's
-  // cache for the next head (items per query head had two cores fetch the same keys at
-  // once). Each head's arithmetic is the same either way.
+  // did not. With more, one item per (row, KV head) running the heads that share it
+  // together (attend_heads): their keys and values come from memory once (items per query
+  // head had two cores fetch the same keys at once). Each head's arithmetic is the same
+  // either way.
   const Fast<KV> fast = pick_fast<KV>(s.dim);
   const int64_t g_per = s.heads / s.kv_heads;
   const int64_t group = s.batch * s.kv_heads >= kGroupedItems ? g_per : 1;
+  // Heads per attend_heads call: as many of the item's as the vector pass over the values
+  // takes (the portable loops go through the keys together and the values head by head).
+  const int64_t pass = fast.weighted[0] ? fast.group : kMaxGroup;
   specsamp::parallel_for(pool, s.batch * s.heads / group, [&](int64_t i) {
-    thread_local std::vector<float> scores;  // scratch [S + 16] per thread
-    scores.resize(s.slots + 16);
+    thread_local std::vector<float> scores;  // scratch [kMaxGroup, S + 16] per thread
+    scores.resize(kMaxGroup * (s.slots + 16));
     const int64_t b = i * group / s.heads, h0 = i * group % s.heads;
     const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + h0 / g_per) * s.slots * s.dim;
-    for (int64_t h = h0; h < h0 + group; ++h)
-      attend_head(s, b, h, queries, pos, kc + at, vc + at, o, scores.data(), fast);
+    for (int64_t h = h0; h < h0 + group; h += pass)
+      attend_heads(s, b, h, std::min(pass, h0 + group - h), queries, pos, kc + at, vc + at, o,
+                   scores.data(), fast);
   });
 }
 
