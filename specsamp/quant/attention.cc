@@ -217,8 +217,9 @@ Fast<KV> pick_fast(int64_t) { return {}; }
 #endif
 
 // Softmax in place over scores[0..last] (the largest score subtracted; NaNs skipped in
-// the maximum, as std::max skips its second argument's); returns 1 / the sum.
-inline float softmax_in_place(float* scores, int64_t last) {
+// the maximum, as std::max skips its second argument's); returns 1 / the sum. Always
+// inlined, so that each of attend_heads' clones compiles it for its own instruction set.
+__attribute__((always_inline)) inline float softmax_in_place(float* scores, int64_t last) {
   // The largest score: per lane, then over the lanes; a maximum is the same whatever the
   // order.
   float lanes[kLanes];
