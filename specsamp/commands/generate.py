@@ -20,12 +20,25 @@ def register(sub) -> None:
     add_sampling_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (k: -1 for --k auto, as in the output tables; "
-                        "drafted_per_loop: each round's K)")
+                        "drafted_per_loop: the K of each drafted round; the other target calls "
+                        "were plain rounds, K = 0)")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def rounds_at_k(s: dict) -> dict[int, int]:
+    """Target calls (rounds) at each K in a completion's statistics (`Completion.stats`):
+    its drafted rounds by K, and K = 0 for the plain rounds, which scored no draft (a
+    `--k auto` policy runs them where drafting does not pay)."""
     import collections
+
+    rounds = collections.Counter(s["drafted_per_loop"])
+    plain = s["target_calls"] - len(s["drafted_per_loop"])
+    if plain:
+        rounds[0] += plain
+    return dict(sorted(rounds.items()))
+
+
+def run(args) -> int:
     import time
 
     from specsamp.decoding.generator import load_generator
@@ -47,11 +60,10 @@ def run(args) -> int:
         print_json({"text": c.text, "token_ids": list(c.token_ids), **s})
         return 0
     print(c.text)
-    rounds = collections.Counter(s["drafted_per_loop"])
     status(
         f"\n--- {s['generated_tokens']} tokens, stop: {s['stop_reason']}, mode: {s['mode']}"
         + (f", drafter {gen.draft_id}, K={k_label(s['k'])}" if c.k else "")
-        + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in sorted(rounds.items())) + ")"
+        + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in rounds_at_k(s).items()) + ")"
            if s["k"] == TABLE_K_AUTO else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
         f"tokens/call {s['tokens_per_call']:.2f}"
