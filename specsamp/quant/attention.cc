@@ -183,13 +183,14 @@ void weighted_avx512(const float* w, int64_t w_stride, const KV* v, int64_t n, c
 // 2 x C sums each within 24 of the 32 vector registers.
 template <int C, typename KV>
 Fast<KV> fast_for() {
+  constexpr int kGroup = std::min(kMaxGroup, std::max(1, 12 / C));
   Fast<KV> f;
   f.scores = scores_avx512<C, KV>;
   f.weighted[0] = weighted_avx512<1, C, KV>;
-  if constexpr (2 * C <= 12) f.weighted[1] = weighted_avx512<2, C, KV>;
-  if constexpr (3 * C <= 12) f.weighted[2] = weighted_avx512<3, C, KV>;
-  if constexpr (4 * C <= 12) f.weighted[3] = weighted_avx512<4, C, KV>;
-  f.group = std::min(kMaxGroup, std::max(1, 12 / C));
+  if constexpr (kGroup >= 2) f.weighted[1] = weighted_avx512<2, C, KV>;
+  if constexpr (kGroup >= 3) f.weighted[2] = weighted_avx512<3, C, KV>;
+  if constexpr (kGroup >= 4) f.weighted[3] = weighted_avx512<4, C, KV>;
+  f.group = kGroup;
   return f;
 }
 
@@ -248,8 +249,8 @@ __attribute__((always_inline)) inline float softmax_in_place(float* scores, int6
 // tokens. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]. The heads
 // go through the keys together, block of 16 slots by block (a block is read from memory
 // for the first head and from the core's nearest cache for the others), and through the
-// values together where `fast` has a pass for G heads. Each head's numbers are those it
-// gets alone (G = 1), in the same order.
+// values in one pass (with `fast`, G <= fast.group; the portable loops go head by head).
+// Each head's numbers are those it gets alone (G = 1), in the same order.
 template <typename KV>
 SPECSAMP_CLONES
 void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float* q,
@@ -302,12 +303,8 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
       fast.weighted[G - 1](scores, stride, vc, last + 1, inv, o);
       continue;
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < G; ++g) {  // the portable loops: head by head
       const float* w = scores + g * stride;
-      if (fast.weighted[0]) {
-        fast.weighted[0](w, stride, vc, last + 1, inv + g, o + g);
-        continue;
-      }
       float acc[2][256] = {};  // even and odd slots, as weighted_avx512 sums them
       for (int64_t sl = 0; sl <= last; ++sl) {
         const KV* vv = vc + sl * E;
