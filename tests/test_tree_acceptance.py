@@ -184,10 +184,18 @@ def test_chain_is_the_chain_rule_bit_for_bit():
     draft = np.array([[rng.choice(v, p=row / row.sum()) for row in rows] for rows in p], np.int32)
     keys = jax.random.split(jax.random.PRNGKey(2), b)
     p_tree = np.concatenate([p, np.zeros_like(p[:, :1])], axis=1)  # the leaf's unused row
-    tree, chain_rule = Tree.chain(k), jax.jit(accept_batch)
-    for mode, p_chain in [(Children.IID, p), (Children.DISTINCT, p), (Children.FIXED, np.eye(v, dtype=np.float32)[draft])]:
-        n, x = chain_rule(keys, draft, p_chain, q)
-        got = jax.jit(functools.partial(accept_tree_batch, tree=tree, children=mode))(keys, draft, p_tree, q)
-        assert np.array_equal(got.n, n) and np.array_equal(got.token, x), mode
+    one_hot = np.eye(v, dtype=np.float32)[draft]
+    tree = Tree.chain(k)
+
+    @jax.jit
+    def both(keys, draft, p, one_hot, p_tree, q):  # one program: one compilation
+        chain = [accept_batch(keys, draft, p, q)] * 2 + [accept_batch(keys, draft, one_hot, q)]
+        trees = [accept_tree_batch(keys, draft, p_tree, q, tree=tree, children=m) for m in Children]
+        return chain, trees
+
+    chain, trees = both(keys, draft, p, one_hot, p_tree, q)
+    for (n, x), got in zip(chain, trees):
+        assert np.array_equal(got.n, n) and np.array_equal(got.token, x)
         want_path = np.where(np.arange(k)[None] < np.asarray(n)[:, None], np.arange(k)[None], -1)
         assert np.array_equal(got.path, want_path)
+    assert 0 < np.asarray(chain[0][0]).mean() < k  # some refused, some kept

@@ -12,7 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from scipy import stats
 
 from specsamp.decoding.tree import Tree
@@ -74,22 +73,34 @@ def draft_rows(tree: Tree, tab: Tables, mode: str, rows: int, seed: int):
     return tokens, tab.p[ctx], tab.q[ctx]
 
 
+ROWS = 40_000
+
+
 @functools.lru_cache(maxsize=None)
-def _accept(tree: Tree, mode: str):
-    return jax.jit(functools.partial(accept_tree_batch, tree=tree, children=MODE[mode]))
+def _accept_all():
+    """accept_tree_batch on SHAPE for the three modes, each on its own rows, as one
+    program (one compilation instead of three)."""
+
+    def run(keys, tokens, p, q):  # tokens [3, B, N], p, q [3, B, N+1, V]: one per mode
+        return [accept_tree_batch(keys, tokens[i], p[i], q[i], tree=SHAPE, children=MODE[m])
+                for i, m in enumerate(ref.MODES)]
+
+    return jax.jit(run)
 
 
-def _emitted_counts(tree, tab, mode, rows, seed):
-    tokens, p, q = draft_rows(tree, tab, mode, rows, seed)
-    keys = jax.random.split(jax.random.PRNGKey(seed), rows)
-    out = _accept(tree, mode)(keys, jnp.asarray(tokens, jnp.int32), jnp.asarray(p, jnp.float32),
-                              jnp.asarray(q, jnp.float32))
-    path, n, token = (np.asarray(a) for a in out)
+def _run_all(keys, tokens, p, q):
+    out = _accept_all()(keys, jnp.asarray(np.stack(tokens), jnp.int32), jnp.asarray(np.stack(p), jnp.float32),
+                        jnp.asarray(np.stack(q), jnp.float32))
+    return [[np.asarray(a) for a in o] for o in out]
+
+
+def _counts(tokens, out):
+    path, n, token = out
     counts = {}
-    for b in range(rows):
+    for b in range(tokens.shape[0]):
         seq = tuple(int(tokens[b, j]) for j in path[b, : n[b]]) + (int(token[b]),)
         counts[seq] = counts.get(seq, 0) + 1
-    return counts, (keys, tokens, p, q, out)
+    return counts
 
 
 def _pvalue(counts: dict, probs: dict) -> float:
@@ -109,26 +120,28 @@ def _pvalue(counts: dict, probs: dict) -> float:
     return stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue
 
 
-@pytest.mark.parametrize("mode", ref.MODES)
-def test_emitted_sequences_follow_the_exact_distribution(mode):
-    """Catches, with the real draws: uniforms reused across nodes or drawn from the wrong
-    key, the next token drawn from the wrong distribution by `sample`, and anything that
-    biases which path is kept. The control: the same samples tested against the output of
-    the stale-residual rule are rejected, so the check can see that fault. Also a row's
-    result does not depend on the batch it is in."""
+def test_emitted_sequences_follow_the_exact_distribution():
+    """Catches, with the real draws, in every mode: uniforms reused across nodes or drawn
+    from the wrong key, the next token drawn from the wrong distribution by `sample`, and
+    anything that biases which path is kept. The control: the same samples tested against
+    the output of the stale-residual rule are rejected, so the check can see that fault.
+    Also a row's result moves with the row when the batch is reordered."""
     world = ref.World("random", v=3, seed=7)
     tab = Tables(world, SHAPE.max_depth)
-    counts, (keys, tokens, p, q, out) = _emitted_counts(SHAPE, tab, mode, 40_000, seed=3)
-    exact = ref.Enumerator(world, mode).emitted(SHAPE.parents)
-    assert _pvalue(counts, exact) > ALPHA
-    stale = ref.Enumerator(world, mode, variant="stale").emitted(SHAPE.parents)
-    assert _pvalue(counts, stale) < ALPHA
-    # The same rows in another order (the same program): each row's result moves with it.
-    roll = lambda a: jnp.roll(jnp.asarray(a), 1, axis=0)  # noqa: E731
-    moved = _accept(SHAPE, mode)(roll(keys), roll(tokens).astype(jnp.int32), roll(p).astype(jnp.float32),
-                                 roll(q).astype(jnp.float32))
-    for a, b in zip(moved, out):
-        assert np.array_equal(np.asarray(a), np.asarray(roll(b)))
+    rows = [draft_rows(SHAPE, tab, mode, ROWS, seed=3 + i) for i, mode in enumerate(ref.MODES)]
+    tokens, p, q = (list(x) for x in zip(*rows))
+    keys = jax.random.split(jax.random.PRNGKey(3), ROWS)
+    outs = _run_all(keys, tokens, p, q)
+    for mode, tok, out in zip(ref.MODES, tokens, outs):
+        counts = _counts(tok, out)
+        assert _pvalue(counts, ref.Enumerator(world, mode).emitted(SHAPE.parents)) > ALPHA, mode
+        stale = ref.Enumerator(world, mode, variant="stale").emitted(SHAPE.parents)
+        assert _pvalue(counts, stale) < ALPHA, mode
+    roll = lambda xs: [np.roll(x, 1, axis=0) for x in xs]  # noqa: E731
+    moved = _run_all(np.roll(np.asarray(keys), 1, axis=0), roll(tokens), roll(p), roll(q))
+    for got, out in zip(moved, outs):
+        for a, b in zip(got, out):
+            assert np.array_equal(a, np.roll(b, 1, axis=0))
 
 
 def test_greedy_is_greedy_decoding_with_the_longest_path():
@@ -165,18 +178,18 @@ def test_greedy_is_greedy_decoding_with_the_longest_path():
 
 def test_greedy_is_the_sampling_rule_on_one_hot_q():
     """With distinct siblings (the draft's top tokens) and q one-hot on the argmax, the
-    sampling rule and the greedy rule keep the same path and emit the same token: catches
-    a greedy rule that drifts from the rule it is the temperature-0 case of."""
+    sampling rule in every mode and the greedy rule keep the same path and emit the same
+    token: catches a greedy rule that drifts from the rule it is the temperature-0 case of
+    (and a sampling rule that keeps a token of target probability 0)."""
     world = ref.World("random", v=3, seed=9)
-    tab = Tables(world, SHAPE.max_depth)
-    tokens, p, q = draft_rows(SHAPE, tab, "fixed", 500, seed=5)
+    tokens, p, q = draft_rows(SHAPE, Tables(world, SHAPE.max_depth), "fixed", ROWS, seed=5)
     argmax = q.argmax(axis=2)
-    one_hot = np.eye(3, dtype=np.float32)[argmax]
-    keys = jax.random.split(jax.random.PRNGKey(0), 500)
-    sampled = _accept(SHAPE, "fixed")(keys, jnp.asarray(tokens, jnp.int32), jnp.asarray(p, jnp.float32),
-                                      jnp.asarray(one_hot))
+    one_hot = np.eye(3)[argmax]
+    keys = jax.random.split(jax.random.PRNGKey(0), ROWS)
+    sampled = _run_all(keys, [tokens] * 3, [p] * 3, [one_hot] * 3)
     greedy = jax.jit(functools.partial(accept_tree_greedy_batch, tree=SHAPE))(
         jnp.asarray(tokens, jnp.int32), jnp.asarray(argmax, jnp.int32))
-    for a, b in zip(sampled, greedy):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    for out in sampled:
+        for a, b in zip(out, greedy):
+            assert np.array_equal(a, np.asarray(b))
     assert 0 < np.asarray(greedy.n).mean() < SHAPE.max_depth  # both kept and refused paths
