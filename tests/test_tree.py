@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.decoding.tree import Tree, block_positions, block_visibility, path_of
+from specsamp.decoding.tree import Tree, block_positions, block_visibility, path_of, path_slots
 from tests.tree_reference import shapes
 
 SHAPES = shapes() + [Tree.full((3, 3, 3)).parents, Tree.full((2, 1, 2)).parents, (-1, -1, 0, 1, 0, 3)]
@@ -98,3 +98,12 @@ def test_path_of_traced_nodes():
     tree = Tree.full((2, 2))
     got = jax.jit(jax.vmap(lambda u: path_of(tree, u)))(jnp.asarray([-1, 0, 5]))
     assert np.array_equal(np.asarray(got), [[-1, -1], [0, -1], [1, 5]])
+
+
+def test_path_slots():
+    """Catches the accepted path's cache slots off by one (the root's slot is `start`, node
+    i's start + 1 + i) or filled past the accepted nodes; a chain's path is in place."""
+    got = path_slots(jnp.asarray([[1, 5], [0, -1], [-1, -1]]), jnp.asarray([10, 3, 7]))
+    assert np.array_equal(np.asarray(got), [[12, 16], [4, -1], [-1, -1]])
+    chain = path_slots(jnp.asarray([0, 1, 2, -1]), 7)
+    assert np.array_equal(np.asarray(chain)[:3], 7 + 1 + np.arange(3))

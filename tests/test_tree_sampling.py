@@ -73,7 +73,7 @@ def draft_rows(tree: Tree, tab: Tables, mode: str, rows: int, seed: int):
     return tokens, tab.p[ctx], tab.q[ctx]
 
 
-ROWS = 40_000
+ROWS = 10_000
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,8 +24,8 @@ The scoring call feeds a block of N + 1 tokens, the root then the nodes in order
 at cache slots start..start+N (start: the root's position) at positions start + depth
 (`block_positions`); each attends to the cache before the block and to its ancestors and
 itself within it, never to another branch (`block_visibility`). After acceptance the
-accepted path's entries (slots start + 1 + path[d]) belong at slots start + 1 + d; for a
-chain they are there already.
+accepted path's entries (`path_slots`) belong at slots start + 1 + d; for a chain they
+are there already.
 """
 
 from __future__ import annotations
@@ -135,6 +135,17 @@ def path_of(tree: Tree, node: jax.Array) -> jax.Array:
     """The accepted path ending at `node` (-1: none accepted): int32 [K], node indices by
     depth, padded with -1. Works on traced nodes (a table lookup)."""
     return jnp.asarray(tree.paths)[node + 1]
+
+
+def path_slots(path: jax.Array, start: jax.Array) -> jax.Array:
+    """Where the accepted path's cache entries are: path [..., K] (from the acceptance,
+    -1 padded), start [...] the root's slot -> int32 [..., K], the slot of the accepted
+    node at depth d (start + 1 + path[d]), -1 past the accepted ones. Its entries belong
+    at start + 1 + d (a gather of these slots into those, before the next round); for a
+    chain the two are equal."""
+    path = jnp.asarray(path, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)[..., None]
+    return jnp.where(path >= 0, start + 1 + path, -1)
 
 
 def block_positions(tree: Tree, start: jax.Array) -> jax.Array:

@@ -1,28 +1,29 @@
 """Exact acceptance over a token tree: the longest path the target keeps, and the next token.
 
-Axes: N tree nodes, K depth, W width, V vocab. Rows as in `tree`: row 0 of p and q for the
-root (the last accepted token), row i + 1 for node i. q[u] is the target's distribution
-after u, p[u] the drafter's distribution that u's children came from (for `Children.FIXED`
-p is not read). The arrays are the processed ones of `sampling.probs_from_logits`.
+Axes: B batch, N tree nodes, K depth, W width, V vocab. Rows as in `tree`: row 0 of p and
+q for the root (the last accepted token), row i + 1 for node i. A node's q row is the
+target's distribution after it, its p row the drafter's distribution its children came
+from (a leaf's p row is not read; for `Children.FIXED` p is not read at all). The arrays
+are the processed ones of `sampling.probs_from_logits`, unchanged since the draw.
 
-The walk starts at the root. At a node it tries the children in order, each against the
-current target distribution q' (q[u] at first) and the child's draft distribution d (how
-the child was drawn, given the children tried before it):
+The walk starts at the root. At a node u it tries the children in order, each against the
+current target distribution q' (u's q row at first) and the child's draft distribution d
+(the law of the child's token given the children tried before it):
   - keep child c (token x) if r_c d(x) < q'(x), r_c ~ U[0, 1), one uniform per node: that
     is, with probability min(1, q'(x) / d(x)); the walk moves to c;
   - else q' <- (q' - d)+ normalised (`sampling.residual`), and the next child is tried.
 When no child is kept (or u is a leaf), the next token is drawn from the last q' and the
-round ends. Each test is the chain's rule with q' in place of q, so the emitted token
-follows q[u] exactly, whatever the draws (docs/paper.md, "Token trees"). d by how the
-children were chosen (the drafter's contract: it must be how they really were chosen):
-  - IID: each child drawn from p[u] independently (with replacement; SpecInfer's multi-step
-    scheme): d = p[u] for every child;
-  - DISTINCT: drawn one after another without replacement (e.g. Gumbel top-k of log p[u]):
-    d = p[u] with the earlier children's tokens set to 0, renormalised;
+round ends. Each test is the chain's rule with q' in place of q, so the token emitted at u
+follows u's q row exactly, whatever the draws (docs/paper.md, "Token trees"). d by how the
+children were chosen (the drafter's contract: it must say how they really were chosen):
+  - IID: each child drawn from u's p row independently (with replacement; SpecInfer's
+    multi-step scheme): d = that row for every child;
+  - DISTINCT: drawn one after another without replacement (or Gumbel top-k of log p):
+    d = u's p row with the earlier children's tokens set to 0, renormalised;
   - FIXED: not drawn at all, a function of the context (the draft's top-k tokens taken
     deterministically, prompt-lookup matches): d = the point mass on x, so x is kept with
     probability q'(x) and q' loses x. Treating deterministic top-k tokens as DISTINCT
-    draws is not exact (the control in tests/test_tree_acceptance.py shows it).
+    draws is not exact (a control in tests/test_tree_acceptance.py shows it).
 A node with token -1 is absent: never tested, no update (a row with fewer candidates than
 the shape). So is a child whose d(x) is 0 (it cannot have been drawn: a sampled child past
 the end of p's support). Presence may depend on the context, not on the target.
