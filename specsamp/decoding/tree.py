@@ -1,0 +1,172 @@
+"""A static token tree: the shape of one round's draft, shared by every row of a batch.
+
+Axes: B batch, N tree nodes, K depth (the most tokens a round can accept), W width (the
+most children of one node), S cache slots.
+
+A tree is its parents: `parents[i]` is the node whose token node i follows, or -1 for a
+child of the root (the root is the last accepted token: it is not a node and holds no
+draft). Nodes are numbered so that a parent comes before its children (parents[i] < i),
+and the children of a node are tried in the order of their numbers: for drafts sampled one
+after another, number the children in the order they were drawn. A chain of K drafts is
+the tree with one child per node (`Tree.chain(K)`), so one code path serves both.
+
+Per-node arrays of the target and the drafter have N + 1 rows, row 0 for the root and row
+i + 1 for node i: the row of a node holds the distribution of the token after it, which is
+the distribution its children are tested against (target) or were drawn from (draft).
+For a chain this is the chain's own layout (q_1..q_{K+1}); the draft's p_1..p_K gain one
+unused row at the end (the leaf's).
+
+The shape is static (a compiled program serves one shape: the tables below are numpy, so
+they are constants under jit); the tokens at the nodes vary per row. A row that has fewer
+candidates than the shape marks the missing nodes with token -1 (see `tree_acceptance`).
+
+The scoring call feeds a block of N + 1 tokens, the root then the nodes in order, written
+at cache slots start..start+N (start: the root's position) at positions start + depth
+(`block_positions`); each attends to the cache before the block and to its ancestors and
+itself within it, never to another branch (`block_visibility`). After acceptance the
+accepted path's entries (`path_slots`) belong at slots start + 1 + d; for a chain they
+are there already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """parents: (N,) ints, -1 for a child of the root, else an earlier node's index.
+    Hashable, so it can be a static argument of a compiled function."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        parents = tuple(int(x) for x in self.parents)
+        object.__setattr__(self, "parents", parents)
+        if not parents:
+            raise ValueError("a tree needs at least one node")
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}: parent {parent} is not -1 or an earlier node")
+
+    @classmethod
+    def chain(cls, k: int) -> "Tree":
+        """K drafts one after another: node i is the child of node i - 1."""
+        return cls(tuple(range(-1, k - 1)))
+
+    @classmethod
+    def full(cls, widths: tuple[int, ...]) -> "Tree":
+        """Every node at depth d has widths[d] children (the root is depth 0), numbered
+        level by level: Tree.full((3, 2)) is 3 children of the root with 2 children each."""
+        parents, level = [], [-1]
+        for width in widths:
+            nxt = []
+            for parent in level:
+                for _ in range(width):
+                    nxt.append(len(parents))
+                    parents.append(parent)
+            level = nxt
+        return cls(tuple(parents))
+
+    @property
+    def size(self) -> int:
+        """N, the number of nodes."""
+        return len(self.parents)
+
+    @functools.cached_property
+    def depth(self) -> np.ndarray:
+        """[N] int32: 1 for the root's children, parent's depth + 1 below."""
+        depth = np.zeros(self.size, np.int32)
+        for i, parent in enumerate(self.parents):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        return depth
+
+    @property
+    def max_depth(self) -> int:
+        """K: the most drafts one path holds, so the most a round accepts."""
+        return int(self.depth.max())
+
+    @functools.cached_property
+    def ancestors(self) -> np.ndarray:
+        """[N, N] bool: ancestors[i, j] when node j is on the path from the root to node i,
+        node i itself included."""
+        anc = np.eye(self.size, dtype=bool)
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                anc[i] |= anc[parent]
+        return anc
+
+    @functools.cached_property
+    def block_ancestors(self) -> np.ndarray:
+        """[N + 1, N + 1] bool: `ancestors` over the scoring block, row 0 the root (an
+        ancestor of every node), row i + 1 node i."""
+        anc = np.eye(self.size + 1, dtype=bool)
+        anc[1:, 0] = True
+        anc[1:, 1:] = self.ancestors
+        return anc
+
+    @functools.cached_property
+    def children(self) -> np.ndarray:
+        """[N + 1, W] int32: row 0 the root's children, row i + 1 node i's, in order,
+        padded with -1 (a leaf's row is all -1). W is at least 1."""
+        kids: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, parent in enumerate(self.parents):
+            kids[parent + 1].append(i)
+        width = max(1, max(len(k) for k in kids))
+        return np.array([k + [-1] * (width - len(k)) for k in kids], np.int32)
+
+    @functools.cached_property
+    def paths(self) -> np.ndarray:
+        """[N + 1, K] int32: row 0 (the root) all -1, row i + 1 the nodes from the root's
+        child down to node i, by depth, padded with -1."""
+        table = np.full((self.size + 1, self.max_depth), -1, np.int32)
+        for i in range(self.size):
+            on_path = np.flatnonzero(self.ancestors[i])  # ascending = by depth (parents first)
+            table[i + 1, : on_path.size] = on_path
+        return table
+
+
+def path_of(tree: Tree, node: jax.Array) -> jax.Array:
+    """The accepted path ending at `node` (-1: none accepted): int32 [K], node indices by
+    depth, padded with -1. Works on traced nodes (a table lookup)."""
+    return jnp.asarray(tree.paths)[node + 1]
+
+
+def path_slots(path: jax.Array, start: jax.Array) -> jax.Array:
+    """Where the accepted path's cache entries are: path [..., K] (from the acceptance,
+    -1 padded), start [...] the root's slot -> int32 [..., K], the slot of the accepted
+    node at depth d (start + 1 + path[d]), -1 past the accepted ones. Its entries belong
+    at start + 1 + d (a gather of these slots into those, before the next round); for a
+    chain the two are equal."""
+    path = jnp.asarray(path, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)[..., None]
+    return jnp.where(path >= 0, start + 1 + path, -1)
+
+
+def block_positions(tree: Tree, start: jax.Array) -> jax.Array:
+    """Positions of the scoring block, the root then the nodes: start [...] (the root's
+    position, the last accepted token's) -> int32 [..., N + 1], start + depth (0 for the
+    root). For a chain: start, start + 1, ..., start + K, the chain's block."""
+    start = jnp.asarray(start, jnp.int32)
+    return start[..., None] + jnp.asarray(np.concatenate([[0], tree.depth]).astype(np.int32))
+
+
+def block_visibility(tree: Tree, start: jax.Array, slots: int) -> jax.Array:
+    """The attention mask of the scoring block, the root then the nodes written at cache
+    slots start..start+N (row j at slot start + j): start [...] int -> bool [..., N+1, S]
+    with S = `slots`. Every row sees the slots before the block and the root's; node i
+    sees, in the block, its ancestors and itself, never another branch; no row sees past
+    the block (stale entries there are never read). For a chain this is the causal mask
+    of the K+1 block (slot <= position)."""
+    start = jnp.asarray(start, jnp.int32)[..., None, None]
+    n = tree.size + 1
+    rel = jnp.arange(slots, dtype=jnp.int32) - start  # [..., 1, S]: the slot's row in the block
+    in_block = (rel >= 0) & (rel < n)
+    cols = jnp.clip(rel, 0, n - 1)[..., 0, :]  # [..., S]
+    seen = jnp.moveaxis(jnp.asarray(tree.block_ancestors)[:, cols], 0, -2)  # [..., N+1, S]
+    return (rel < 0) | (in_block & seen)
