@@ -37,6 +37,7 @@ RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 NAMES = ("DaskRunner", "dask", "Dask", RUNNER)
 _GIB = 1 << 30
 _SIGNALS = {2: ("SIGINT", "interrupted"), 15: ("SIGTERM", "terminated")}
+_OURS = ("pipelines", "specsamp", "schemas")  # packages a cluster must have to run the job
 
 
 class DaskClusterOptions(PipelineOptions):
@@ -131,21 +132,26 @@ class DaskTarget:
 
     def run_to_end(self, p: beam.Pipeline) -> None:
         """Submit, report progress until the job ends, and turn the cluster's failures into
-        one line: a lost scheduler or a task that killed its workers is a RunFailed."""
+        one line: a lost scheduler or a task that killed its workers is a RunFailed, a
+        cluster without specsamp installed a UserError."""
         self.progress = LauncherProgress(self._plan.todo)
         self.client.subscribe_topic(_topic(self._plan), self.progress.event)
         try:
             self.result = p.run()
             self.result.wait_until_finish()
+            # A client that lost its scheduler ends its futures as cancelled, without an error.
+            unfinished = [f.status for f in self.result.futures if f.status != "finished"]
+            if unfinished:
+                raise _Unfinished(f"the job's futures ended {unfinished[0]}")
         except UserError:
             raise
         except Exception as e:
             raise self._failure(e) or e
         finally:
-            self.client.unsubscribe_topic(_topic(self._plan))
+            _within(5, lambda: self.client.unsubscribe_topic(_topic(self._plan)))
         self.progress.print(final=True)
 
-    def _failure(self, e: Exception) -> RunFailed | None:
+    def _failure(self, e: Exception) -> Exception | None:
         from distributed import KilledWorker
 
         keep = (f"the rows committed so far are kept in {self._plan.cfg.output}; "
@@ -154,9 +160,16 @@ class DaskTarget:
         if isinstance(e, KilledWorker):
             return RunFailed(f"a task of this job was running on each of the Dask workers that died "
                              f"before it finished ({reason}); {keep}")
+        if "deserializ" in str(e) or (isinstance(e, ModuleNotFoundError) and e.name in _OURS):
+            return UserError(f"the Dask cluster cannot load this job's code ({reason}): install specsamp, "
+                             "the same version as here, where the scheduler and the workers run")
         if self.client.status != "running" or not _within(10, lambda: self.client.scheduler_info(n_workers=0)):
             return RunFailed(f"lost the Dask scheduler at {self._address} ({reason}); {keep}")
         return None  # a bug: it keeps its traceback
+
+
+class _Unfinished(Exception):
+    """The job's futures ended without a result and without an error."""
 
 
 class Publish(beam.DoFn):
@@ -253,9 +266,12 @@ def _connect(address: str, timeout):
 
 
 def _quiet() -> None:
-    """Dask's own INFO and WARNING lines (workers joining, closing, restarting) are not the
-    user's business here: the launcher prints what matters; errors still show."""
-    logging.getLogger("distributed").setLevel(logging.ERROR)
+    """Dask's own lines in the launcher (workers joining, closing, restarting; a client's
+    reconnection attempts with their tracebacks) are not the user's business: the launcher
+    turns what ends a job into one line of its own (`DaskTarget._failure`)."""
+    for name in ["distributed", *logging.root.manager.loggerDict]:
+        if name.split(".")[0] == "distributed":  # its config sets some children's levels
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _require_dask() -> None:

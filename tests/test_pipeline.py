@@ -21,15 +21,13 @@ from pipelines.handler import GeneratorHandler, generator_spec
 from pipelines.plan import make_plan
 from schemas import COMPLETIONS, ERRORS, SCHEMA_VERSION, check_file
 from specsamp import runconfig
-from tests.pipeline_support import FAILING_LOADER, files, read, tiny_models, write_config, write_prompts
+from tests.pipeline_support import FAILING_LOADER, files, make_setup, read
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    target, draft = tiny_models(str(root / "models"))
-    expected = write_prompts(str(root / "prompts"))
-    config = write_config(str(root / "run.yaml"), target, draft)
+    config, expected, target, draft = make_setup(root)
     summary = run(["--config", config], loader=FAILING_LOADER)
     cfg = runconfig.load(config)
     return {"root": root, "cfg": cfg, "config": config, "expected": expected, "summary": summary,
