@@ -126,7 +126,10 @@ FAILING_PID_LOADER = "tests.pipeline_support:failing_pid_loader"
 
 
 def failing_pid_loader(spec):
-    """Both wrappers: BOOM fails, and each generate call notes its process."""
+    """Both wrappers: BOOM fails, and each generate call notes its process; each load is
+    noted too (in PID_LOG/<pid>.loads)."""
     from specsamp import load_generator
 
+    with open(os.path.join(os.environ[PID_LOG], f"{os.getpid()}.loads"), "a") as f:
+        f.write(f"{spec.draft}\n")
     return _PidLogging(_Failing(load_generator(spec)))

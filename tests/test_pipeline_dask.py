@@ -1,7 +1,8 @@
 """The pipeline on a real cluster engine: Beam's DaskRunner on a dask.distributed
 LocalCluster of 2 worker processes (tiny random models, the real engine), checked row for
-row against the FnApiRunner run of the same config; then a worker SIGKILLed mid-run,
-Ctrl-C, and a lost scheduler, each followed by the same command resuming.
+row against the FnApiRunner run of the same config and resumed; then workers SIGKILLed
+mid-run, Ctrl-C, and a lost scheduler (an external `dask scheduler`) with the same command
+resuming.
 
 Every check counts rows as written (no read-side deduplication): input rows x settings =
 completion rows + error rows, each (id, setting) once.
@@ -15,15 +16,16 @@ import subprocess
 import sys
 import time
 
+import pyarrow.parquet as pq
 import pytest
 
-from pipelines import dask_cluster
+from pipelines import commit, dask_cluster
 from pipelines.generate import run
 from pipelines.plan import make_plan
 from pipelines.runners import pipeline_options
-from pipelines.stop import _descendants
+from pipelines.stop import spawned_processes
 from specsamp import runconfig
-from tests.pipeline_support import FAILING_LOADER, FAILING_PID_LOADER, PID_LOG, make_setup, read
+from tests.pipeline_support import FAILING_LOADER, FAILING_PID_LOADER, PID_LOG, files, make_setup, read
 from tests.test_pipeline_faults import assert_exactly_once, cli, keys, wait_for_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +86,17 @@ def test_dask_run_equals_the_fnapi_run(env, dask_runs):
 def test_one_input_file_spreads_over_both_workers(dask_runs):
     """The limited run's 4 prompts all come from one file: both worker processes generate.
     Catches a job whose one file is one task (all of it on one worker)."""
-    assert len(os.listdir(dask_runs["logs"][0])) == 2
+    assert len([n for n in os.listdir(dask_runs["logs"][0]) if n.isdigit()]) == 2
+
+
+def test_each_worker_loads_the_models_once(env, dask_runs):
+    """Beam on Dask sets a DoFn up for every partition (batch): the models must stay loaded
+    in the worker process. Catches a model loaded again for each batch."""
+    for log in dask_runs["logs"]:
+        loads = [n for n in os.listdir(log) if n.endswith(".loads")]
+        assert 1 <= len(loads) <= 2
+        for name in loads:
+            assert len((log / name).read_text().split()) == len(env["settings"]), name
 
 
 def test_the_same_command_resumes(env, dask_runs):
@@ -101,19 +113,6 @@ def test_the_same_command_resumes(env, dask_runs):
                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
     assert again.returncode == 0 and "nothing to do" in again.stderr and "Dask scheduler" not in again.stderr
     assert sorted(os.listdir(dask_runs["out"])) == before
-
-
-def _workers(launcher: int) -> list[int]:
-    """The LocalCluster's worker processes below the launcher (multiprocessing spawns)."""
-    out = []
-    for pid in _descendants(launcher):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -136,17 +135,21 @@ def _same_as_reference(env, out):
 
 
 @pytest.mark.slow
-def test_worker_killed_mid_run_loses_and_repeats_nothing(env, tmp_path):
-    """A worker process is SIGKILLed after the job has committed rows: its task reruns on
-    the other worker (a batch redone rewrites its own shards), the run ends normally with
-    each (id, setting) once and the reference's rows. Catches shard names that differ
-    on a redo, rows lost with the dead worker, and a launcher that fails the job for it."""
+def test_workers_killed_mid_run_lose_and_repeat_nothing(env, tmp_path):
+    """Worker processes SIGKILLed while the job runs: first one of the two once rows are
+    committed, then every live worker once more rows are (so a worker that had committed
+    batches dies: Dask reruns them, as it reruns what a dead worker was doing). The run ends
+    normally with each (id, setting) once and the reference's rows. Catches shard names
+    that differ on a redo, rows lost with a dead worker, a launcher that fails the job."""
     out = str(tmp_path / "out")
     proc = cli(env["config"], "--output", out, *DASK)
     assert wait_for_rows(proc, out, 0)
-    workers = _workers(proc.pid)
-    assert len(workers) == 2
-    os.kill(random.Random(3).choice(workers), signal.SIGKILL)
+    first = spawned_processes(proc.pid)
+    assert len(first) == 2
+    os.kill(random.Random(3).choice(first), signal.SIGKILL)
+    assert wait_for_rows(proc, out, sum(map(len, keys(out)))), "the run ended before the second kill"
+    for pid in spawned_processes(proc.pid):
+        os.kill(pid, signal.SIGKILL)
     killed_at = sum(map(len, keys(out)))
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
@@ -158,13 +161,13 @@ def test_worker_killed_mid_run_loses_and_repeats_nothing(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_cancels_the_cluster_and_the_same_command_resumes(env, tmp_path):
-    """Ctrl-C (SIGINT to the process group): one line, exit 130, no worker process left;
-    the same command then completes, each (id, setting) once."""
+def test_ctrl_c_stops_the_cluster_with_one_line(env, tmp_path):
+    """Ctrl-C (SIGINT to the process group): one line, exit 130, no worker process left,
+    every committed shard whole and no temporary file (resuming is tested above)."""
     out = str(tmp_path / "out")
     proc = cli(env["config"], "--output", out, *DASK)
     assert wait_for_rows(proc, out, 0)
-    workers = _workers(proc.pid)
+    workers = spawned_processes(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -174,9 +177,9 @@ def test_ctrl_c_cancels_the_cluster_and_the_same_command_resumes(env, tmp_path):
     while [p for p in workers if _alive(p)] and time.time() < deadline:
         time.sleep(0.2)
     assert workers and not [p for p in workers if _alive(p)], "a worker outlived the launcher"
-    again = cli(env["config"], "--output", out, *DASK)
-    assert again.wait(timeout=600) == 0
-    assert_exactly_once(out, env["expected"], env["settings"])
+    for path in files(out, "completions") + files(out, "errors"):
+        pq.read_table(path)
+    assert not [n for n in os.listdir(out) if commit.TEMP_MARK in n]
 
 
 def _free_port() -> int:
