@@ -110,9 +110,11 @@ class DaskTarget:
                 dask_options.npartitions = max(1, len(plan.batches(self._workers)))  # a batch per task
             _say(f"Dask scheduler {self._address} ({where}), {self._workers} worker threads"
                  + (f"; dashboard: {self.client.dashboard_link}" if _has_dashboard(self.client) else ""))
-            yield self
-            if self.result is not None:
-                self.result.client.close()
+            try:
+                yield self
+            finally:  # Beam's own client: closing it releases whatever of the job is left
+                if self.result is not None:
+                    _within(10, self.result.client.close)
 
     def parallelism(self) -> int:
         return self._workers
