@@ -1,5 +1,5 @@
-"""Incremental, atomic output: finished rows are committed in small Parquet shards as the
-work completes, so a run killed at any moment keeps every committed row.
+"""Incremental, atomic output: finished rows are committed in small Parquet shards as each
+batch completes, so a run killed at any moment keeps every committed row.
 
 A shard's name is a hash of the (id, setting) keys it holds and of the run config: a bundle
 that a runner retries, or a batch redone after a crash, writes the same name again and so
@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import socket
 import uuid
 
 import apache_beam as beam
 
+from schemas import COMPLETIONS, ERRORS
 from specsamp.errors import UserError
 from specsamp.loading.fs import filesystem, join
 
@@ -93,31 +95,27 @@ def remove_stale_temps(folder: str) -> int:
     return len(stale)
 
 
-class CommitShards(beam.DoFn):
-    """Rows in, shards out: every `rows_per_shard` rows (one generate batch), and whatever
-    is left when the bundle ends. Flush points depend only on the bundle's elements, so a
-    retried bundle rewrites the same shards."""
+class CommitBatch(beam.DoFn):
+    """One batch's rows in (a RunInference result: (completion rows, error rows)), its
+    shards committed at once, in `process`: nothing waits for the bundle's end, which some
+    runners do not run to completion (Beam on Dask drops what `finish_bundle` emits) and
+    which a killed worker never reaches. Out: a small report of what was committed."""
 
-    def __init__(self, folder: str, table: str, schema, rows_per_shard: int):
-        self._folder, self._table, self._schema = folder, table, schema
-        self._n = max(1, rows_per_shard)
-        self._rows: list[dict] = []
+    def __init__(self, folder: str):
+        self._folder = folder
 
-    def start_bundle(self):
-        self._rows = []
+    def process(self, result):
+        completions, errors = result.inference
+        for table, schema, rows in (("completions", COMPLETIONS, completions), ("errors", ERRORS, errors)):
+            if rows:
+                write_shard(self._folder, table, rows, schema)
+                beam.metrics.Metrics.counter("specsamp", f"committed_{table}").inc(len(rows))
+        yield report(completions, errors)
 
-    def process(self, row: dict):
-        self._rows.append(row)
-        if len(self._rows) >= self._n:
-            self._flush()
-        return []
 
-    def finish_bundle(self):
-        self._flush()
-
-    def _flush(self) -> None:
-        rows, self._rows = self._rows, []
-        if rows:
-            write_shard(self._folder, self._table, rows, self._schema)
-            beam.metrics.Metrics.counter("specsamp", f"committed_{self._table}").inc(len(rows))
-
+def report(completions: list[dict], errors: list[dict]) -> dict:
+    """What a committed batch tells the launcher: its keys, tokens and where it ran."""
+    return {"completions": [row_key(r) for r in completions],
+            "errors": [(*row_key(r), r["error_kind"]) for r in errors],
+            "tokens": sum(r["generated_tokens"] for r in completions),
+            "worker": f"{socket.gethostname()}:{os.getpid()}"}

@@ -20,7 +20,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines import rows
-from pipelines.rows import Example, RunInfo
+from pipelines.rows import Example, RunInfo, Work
 from specsamp.decoding import stats
 from specsamp.errors import UserError
 from specsamp.runconfig import RunConfig, Setting
@@ -29,7 +29,6 @@ NAMESPACE = "specsamp"
 DEFAULT_LOADER = "specsamp:load_generator"
 _LOADED: dict = {}  # (loader, spec) -> generator: reused by later pipelines in a process
 _LOAD_LOCK = threading.Lock()
-_REFILLS = 4
 
 
 def _not_resource_warning(record: logging.LogRecord) -> bool:
@@ -89,21 +88,21 @@ class Generators:
         return gen.device_kind, gen.cost_ratio
 
 
-class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
-    """Examples in; ("completion", row) or ("error", row) out, one per example, in order."""
+class GeneratorHandler(ModelHandler[Work, tuple, Generators]):
+    """A Work (one planned batch) in; one PredictionResult out whose inference is the
+    batch's (completion rows, error rows), every input sample in exactly one of them."""
 
     def __init__(self, cfg: RunConfig, info: RunInfo, total: int = 0, loader: str = DEFAULT_LOADER):
         w = cfg.workers
-        # Each prompt arrives once per setting, one after the other, and a generate call
-        # takes one setting: so Beam batches of batch_size x settings elements split into
-        # ~batch_size prompts per setting. Up to _REFILLS times that many, so that the
-        # continuous engine's slots stay busy while rows finish (its compiled shapes do not
-        # depend on how many prompts a call gets).
-        n = cfg.batch_size * len(cfg.settings)
-        super().__init__(min_batch_size=n, max_batch_size=n * _REFILLS,
-                         large_model=w.share_model_across_processes,
+        super().__init__(large_model=w.share_model_across_processes,
                          model_copies=w.model_copies if w.share_model_across_processes else None)
         self._cfg, self._info, self._total, self._loader = cfg, info, total, loader
+
+    def should_skip_batching(self) -> bool:
+        # Batches are fixed by the plan (pipelines.plan.Batch), not by Beam's BatchElements,
+        # whose last batch of a bundle comes out in finish_bundle (dropped on some runners)
+        # and whose batches differ on a retry (a redone batch must rewrite its own shards).
+        return True
 
     def load_model(self) -> Generators:
         from pipelines.stop import ignore_interrupts_in_worker
@@ -112,17 +111,25 @@ class GeneratorHandler(ModelHandler[Example, tuple, Generators]):
         ignore_interrupts_in_worker()
         enable_compilation_cache()  # a worker reuses the programs earlier runs compiled
         start = time.time()
+        fresh = not all((self._loader, generator_spec(self._cfg, s)) in _LOADED for s in self._cfg.settings)
         model = Generators(self._cfg, self._loader)
-        _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")
+        if fresh:  # some runners set a DoFn up once per bundle; the models load once per process
+            _progress(self._info.run_id, self._total).note(f"models ready in {time.time() - start:.1f} s")
         return model
 
-    def run_inference(self, batch: Sequence[Example], model: Generators,
-                      inference_args=None) -> Iterable[PredictionResult]:
+    def run_inference(self, batch: Work, model: Generators, inference_args=None) -> Iterable[PredictionResult]:
+        out = self.infer(batch.examples, model)
+        completions = [row for tag, row in out if tag == "completion"]
+        errors = list(batch.errors) + [row for tag, row in out if tag == "error"]
+        return [PredictionResult(batch, (completions, errors))]
+
+    def infer(self, batch: Sequence[Example], model: Generators) -> list[tuple]:
+        """("completion", row) or ("error", row) for each Example, in order."""
         out: list = [None] * len(batch)
         for key in dict.fromkeys(ex.key for ex in batch):  # a batch may mix settings
             where = [i for i, ex in enumerate(batch) if ex.key == key]
             for i, result in zip(where, self._run_group(model, key, [batch[i] for i in where])):
-                out[i] = PredictionResult(batch[i], result)
+                out[i] = result
         return out
 
     def _run_group(self, model: Generators, key: str, group: list[Example]) -> list[tuple]:

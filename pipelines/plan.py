@@ -9,6 +9,7 @@ the prompts within `limit`, and (for resuming) the samples already in the output
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 
@@ -26,6 +27,11 @@ from specsamp.runconfig import RunConfig, Setting
 _ID_TYPES = (pa.string(), pa.large_string())
 _PROMPT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 TABLES = ("completions", "errors")
+# A batch holds up to BATCH_REFILLS x batch_size prompts: the continuous engine refills its
+# batch_size slots from them as rows finish. Smaller when a job is small, so that each
+# worker gets about BATCHES_PER_WORKER of them (the last ones even out the workers' loads).
+BATCH_REFILLS = 4
+BATCHES_PER_WORKER = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +45,30 @@ class Plan:
     todo: int  # samples still to generate (prompts x settings, less those done)
     retried: int = 0  # error rows to attempt again (--retry-errors)
     unreadable: tuple[str, ...] = ()  # input files whose ids cannot be read (error rows)
+    rows: tuple[tuple[str, tuple[int, ...]], ...] = ()  # per file: positions of rows with work left
 
     def wanted(self, pid, setting: Setting) -> bool:
         """Whether the (prompt, setting) pair is in scope and not yet written."""
         in_scope = self.allowed is None or pid in self.allowed
         return in_scope and (pid, setting.key) not in self.done
 
+    def batches(self, parallelism: int = 1) -> list[Batch]:
+        """The job's units of work: rows of one file, each batch a few generate calls'
+        worth. A batch is what a runner retries or a cluster reruns after losing a worker,
+        so its rows are fixed here (its shards then get the same names when redone); there
+        are enough of them to keep `parallelism` workers busy to the end of the job."""
+        prompts = sum(len(r) for _, r in self.rows)
+        size = max(1, min(BATCH_REFILLS * self.cfg.batch_size,
+                          math.ceil(prompts / (BATCHES_PER_WORKER * max(1, parallelism)))))
+        return [Batch(path, rows[i:i + size]) for path, rows in self.rows for i in range(0, len(rows), size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Rows of one prompt file (0-based positions) that go through the model together."""
+
+    path: str
+    rows: tuple[int, ...]
 
 
 def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = None) -> Plan:
@@ -56,11 +80,12 @@ def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = N
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     if dry_run:
         info = RunInfo.of(cfg, run_id, prompts.dataset_name(cfg.input))
-        return Plan(cfg, (cfg.input,), info, None, frozenset(), 0, 0)
+        return Plan(cfg, (cfg.input,), info, None, frozenset(), 0, 0, rows=((cfg.input, (0,)),))
     files = glob(cfg.input)
     if not files:
         raise UserError(f"no input files match {cfg.input}")
-    ids, unreadable = _check_inputs(files)
+    per_file, unreadable = _check_inputs(files)
+    ids = [pid for file_ids in per_file for pid in file_ids]
     in_scope = ids if cfg.limit is None else ids[: cfg.limit]
     done, retried = _scan_output(cfg, retry)
     check_context(cfg)  # after the output check: it may download the default model
@@ -68,8 +93,16 @@ def make_plan(cfg: RunConfig, dry_run: bool = False, retry: frozenset | None = N
     info = RunInfo.of(cfg, run_id, prompts.dataset_name(files[0]))
     allowed = None if cfg.limit is None else frozenset(in_scope)
     scope = set(in_scope)
-    return Plan(cfg, tuple(files), info, allowed, done, len(in_scope), todo,
+    plan = Plan(cfg, tuple(files), info, allowed, done, len(in_scope), todo,
                 sum(1 for key in retried if key[0] in scope), tuple(unreadable))
+    rows, seen = [], 0
+    for path, file_ids in zip(files, per_file):
+        mine = [i for i, pid in enumerate(file_ids) if seen + i < len(in_scope)
+                and any(plan.wanted(pid, s) for s in cfg.settings)]
+        seen += len(file_ids)
+        if mine:
+            rows.append((path, tuple(mine)))
+    return dataclasses.replace(plan, rows=tuple(rows))
 
 
 def resolve_input(cfg: RunConfig, prepare: bool = True) -> RunConfig:
@@ -86,30 +119,31 @@ def resolve_input(cfg: RunConfig, prepare: bool = True) -> RunConfig:
     return cfg.with_overrides(input=pattern)
 
 
-def _check_inputs(files: list[str]) -> tuple[list[str], list[str]]:
-    """Check each file's schema, then read all ids (in file order) and check them.
+def _check_inputs(files: list[str]) -> tuple[list[list[str]], list[str]]:
+    """Check each file's schema, then read all ids (per file, in file order) and check them.
 
     A file that cannot be read is not fatal while others can: its rows become error rows
     (`unreadable_file`) and it counts as one row with a placeholder id.
     """
     import pyarrow.parquet as pq
 
-    ids, unreadable, reasons = [], [], []
+    per_file, unreadable, reasons = [], [], []
     for path in files:
         fs, stripped = filesystem(path)
         try:
             _check_prompt_schema(pq.read_schema(stripped, filesystem=fs), path)
-            ids += read_ids(path)
+            per_file.append(read_ids(path))
         except UserError:
             raise
         except Exception as e:  # truncated file, not Parquet, permission, network
             reasons.append(f"cannot read prompt file {path}: {type(e).__name__}: {e}")
             unreadable.append(path)
-            ids.append(placeholder_id(path))
+            per_file.append([placeholder_id(path)])
     if len(unreadable) == len(files):
         raise UserError(reasons[0])
-    prompts.check_ids(ids, where=f"input {files[0] if len(files) == 1 else ' + '.join(files[:2])}")
-    return ids, unreadable
+    prompts.check_ids([pid for ids in per_file for pid in ids],
+                      where=f"input {files[0] if len(files) == 1 else ' + '.join(files[:2])}")
+    return per_file, unreadable
 
 
 def _check_prompt_schema(schema: pa.Schema, path: str) -> None:

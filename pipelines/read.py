@@ -33,15 +33,33 @@ def placeholder_id(path: str) -> str:
     return f"<unreadable {path}>"
 
 
-def read_prompt_file(path: str):
-    """PromptRows of one Parquet prompt file (local or gs://)."""
+def read_prompt_file(path: str, rows: tuple[int, ...] | None = None):
+    """PromptRows of one Parquet prompt file (local or gs://): all of them, or the rows
+    at 0-based positions `rows` (a batch of the plan), in that order."""
     try:
-        table = _read(path)
+        table = _cached_read(path)
+        wanted = range(table.num_rows) if rows is None else rows
+        picked = table.take(list(wanted)).to_pylist()
     except Exception as e:
-        yield from _unreadable(path, e)
+        yield from (r for i, r in enumerate(_unreadable(path, e)) if rows is None or i in rows)
         return
-    for i, row in enumerate(table.to_pylist()):
+    for i, row in zip(wanted, picked):
         yield _decoded(row, f"{path} row {i}")
+
+
+_LAST: dict = {}  # (path, version) -> table: a file's batches often follow each other on a worker
+
+
+def _cached_read(path: str) -> pa.Table:
+    """The file's table, read once for consecutive batches of it in this process (a
+    long-lived worker serves many jobs: the key holds the file's size and change time)."""
+    fs, stripped = filesystem(path)
+    info = fs.info(stripped)
+    key = (path, *(str(info.get(k)) for k in ("size", "mtime", "generation", "updated", "etag")))
+    if key not in _LAST:
+        _LAST.clear()  # one file at a time: prompt shards are small, memory stays flat
+        _LAST[key] = _read(path)
+    return _LAST[key]
 
 
 def _read(path: str, columns=None) -> pa.Table:

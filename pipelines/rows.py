@@ -55,6 +55,28 @@ class Example:
         return Setting(self.draft, self.k).key
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A planned batch, read and expanded: the Examples to generate and the error rows of
+    its unusable input rows (one per setting). One element of the pipeline, so that each
+    runner carries it the same way (no tagged outputs, no grouping)."""
+
+    examples: tuple[Example, ...]
+    errors: tuple[dict, ...]
+
+    def __len__(self) -> int:  # Beam's RunInference counts the elements of a "batch"
+        return len(self.examples) + len(self.errors)
+
+
+def expand_batch(items, cfg: RunConfig, info: RunInfo, todo) -> Work:
+    """PromptRows of one batch -> the batch's Work (see `expand`)."""
+    examples, errors = [], []
+    for item in items:
+        for tag, value in expand(item, cfg, info, todo):
+            (examples if tag == "example" else errors).append(value)
+    return Work(tuple(examples), tuple(errors))
+
+
 def sample_seed(config_seed: int, prompt_id: str) -> int:
     """The engine's per-sample seed (config seed + prompt id), the same one `specsamp
     generate` uses, so a sample is the same whichever worker or batch runs it."""

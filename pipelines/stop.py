@@ -96,6 +96,20 @@ def kill_descendants() -> None:
             pass
 
 
+def spawned_processes(root: int) -> list[int]:
+    """Processes below `root` started by multiprocessing's spawn (a LocalCluster's Dask
+    workers, the FnApiRunner's multi-processing workers): what a worker-kill test kills."""
+    out = []
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     try:

@@ -2,7 +2,8 @@
 
 Each command module defines `register(subparsers)` (adds its parser, whose defaults set
 `func`) and keeps its imports of heavy libraries (JAX, Beam) inside the handler, so that
-`specsamp --help` is instant. A `UserError` becomes one line on stderr and exit status 2.
+`specsamp --help` is instant. A `UserError` becomes one line on stderr and exit status 2,
+a `RunFailed` one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from specsamp.errors import UserError
+from specsamp.errors import RunFailed, UserError
 
 COMMANDS = (
     "generate",
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"specsamp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"specsamp {args.command}: failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"specsamp {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -11,3 +11,11 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class RunFailed(Exception):
+    """A run that could not finish for a reason outside the user's input (e.g. the cluster's
+    scheduler was lost): one line, exit status 1; what was committed is kept."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))

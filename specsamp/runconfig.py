@@ -23,6 +23,8 @@ from specsamp.errors import UserError
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
 
 
+RUNNERS = ("local", "dask", "dataflow")  # `runner:` in a config (pipelines.runners)
+
 K_AUTO = -1  # a setting's k for `k: auto` (an int, so that output tables keep an int column)
 
 
@@ -88,6 +90,7 @@ class RunConfig:
     weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
     tensor_parallel: int = 1  # split the target over each worker's first N devices
     kv_cache: str = "float32"  # float32 | float16: what the target's KV cache holds
+    runner: str | None = None  # local | dask | dataflow when --runner is not given (not in the hash)
 
     @property
     def target_name(self) -> str:
@@ -254,6 +257,8 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
 
     if cfg.kv_cache not in KV_CACHES:
         fail(f"'kv_cache' must be one of {', '.join(KV_CACHES)}, got {cfg.kv_cache!r}")
+    if cfg.runner not in (None,) + RUNNERS:
+        fail(f"'runner' must be one of {', '.join(RUNNERS)} (or left out: --runner decides), got {cfg.runner!r}")
     w = cfg.workers
     if not isinstance(w.share_model_across_processes, bool):
         fail("workers.share_model_across_processes must be true or false")

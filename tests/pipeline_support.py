@@ -58,6 +58,14 @@ def write_config(path: str, target: str, draft: str, **changes) -> str:
     return path
 
 
+def make_setup(root) -> tuple[str, dict, str, str]:
+    """Tiny models, the three prompt files and the default config under `root` (a Path):
+    (config path, {id: expected error kind}, target, draft)."""
+    target, draft = tiny_models(str(root / "models"))
+    expected = write_prompts(str(root / "prompts"))
+    return write_config(str(root / "run.yaml"), target, draft), expected, target, draft
+
+
 class _Failing:
     """The real generator, except that a prompt containing BOOM breaks generate()."""
 
@@ -112,3 +120,16 @@ def pid_loader(spec):
     from specsamp import load_generator
 
     return _PidLogging(load_generator(spec))
+
+
+FAILING_PID_LOADER = "tests.pipeline_support:failing_pid_loader"
+
+
+def failing_pid_loader(spec):
+    """Both wrappers: BOOM fails, and each generate call notes its process; each load is
+    noted too (in PID_LOG/<pid>.loads)."""
+    from specsamp import load_generator
+
+    with open(os.path.join(os.environ[PID_LOG], f"{os.getpid()}.loads"), "a") as f:
+        f.write(f"{spec.draft}\n")
+    return _PidLogging(_Failing(load_generator(spec)))

@@ -21,15 +21,13 @@ from pipelines.handler import GeneratorHandler, generator_spec
 from pipelines.plan import make_plan
 from schemas import COMPLETIONS, ERRORS, SCHEMA_VERSION, check_file
 from specsamp import runconfig
-from tests.pipeline_support import FAILING_LOADER, files, read, tiny_models, write_config, write_prompts
+from tests.pipeline_support import FAILING_LOADER, files, make_setup, read
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    target, draft = tiny_models(str(root / "models"))
-    expected = write_prompts(str(root / "prompts"))
-    config = write_config(str(root / "run.yaml"), target, draft)
+    config, expected, target, draft = make_setup(root)
     summary = run(["--config", config], loader=FAILING_LOADER)
     cfg = runconfig.load(config)
     return {"root": root, "cfg": cfg, "config": config, "expected": expected, "summary": summary,
@@ -73,10 +71,13 @@ def test_handler_isolates_a_failing_prompt_in_its_batch(env):
     s = cfg.settings[1]
     batch = [rows.Example(f"x{i}", p, s.draft, s.k, i, "unit", None)
              for i, p in enumerate(["hello", "a BOOM here", "zq" * 150, "world"])]
-    out = handler.run_inference(batch, model)
-    assert [r.example.id for r in out] == ["x0", "x1", "x2", "x3"]
-    assert [r.inference[0] if r.inference[0] == "completion" else r.inference[1]["error_kind"]
-            for r in out] == ["completion", "generation_failed", "too_long", "completion"]
+    out = handler.infer(batch, model)
+    assert [row["id"] for _, row in out] == ["x0", "x1", "x2", "x3"]
+    assert [tag if tag == "completion" else row["error_kind"]
+            for tag, row in out] == ["completion", "generation_failed", "too_long", "completion"]
+    [result] = handler.run_inference(rows.Work(tuple(batch), ()), model)
+    completions, errors = result.inference
+    assert [r["id"] for r in completions] == ["x0", "x3"] and [r["id"] for r in errors] == ["x1", "x2"]
 
 
 def test_tables_follow_the_schemas(env):
@@ -181,10 +182,10 @@ def test_graph_counts_and_counters(env):
     good = [i for i, kind in env["expected"].items() if kind is None]
     bad = [(i, kind) for i, kind in env["expected"].items() if kind is not None]
     p = BeamTestPipeline(runner="FnApiRunner")
-    completions, errors = build(p, plan, loader=FAILING_LOADER)
-    assert_that(completions | beam.Map(lambda r: (r["id"], r["k"])),
+    reports = build(p, plan, loader=FAILING_LOADER, parallelism=2)
+    assert_that(reports | beam.FlatMap(lambda r: [(i, k) for i, _, k in r["completions"]]),
                 equal_to([(i, s.k) for i in good for s in cfg.settings]), label="CheckCompletions")
-    assert_that(errors | beam.Map(lambda r: (r["id"], r["error_kind"])),
+    assert_that(reports | beam.FlatMap(lambda r: [(i, kind) for i, _, _, kind in r["errors"]]),
                 equal_to([b for b in bad for _ in cfg.settings]), label="CheckErrors")
     result = p.run()
     counters = {}

@@ -23,8 +23,7 @@ def test_dataflow_tpu_graph_builds_offline(capsys):
     assert "dry run" in capsys.readouterr().err
     proto = p.runner.proto_pipeline
     top = {t.unique_name for t in proto.components.transforms.values() if "/" not in t.unique_name}
-    assert {"PromptFiles", "ReadPrompts", "Spread", "ExpandSettings", "Generate", "Route", "AllErrors",
-            "CommitCompletions", "CommitErrors"} <= top
+    assert {"PromptBatches", "ReadPrompts", "Generate", "Commit"} <= top
     env = apiclient.Environment(packages=[], options=p.runner.job.options, environment_version="0",
                                 proto_pipeline_staged_url="", proto_pipeline=proto)
     [pool] = env.proto.worker_pools

@@ -121,15 +121,15 @@ def test_signal_stops_with_one_line_and_keeps_rows(models, tmp_path, signum, cod
     assert_exactly_once(out, expected)
 
 
-class _FailOnce(commit.CommitShards):
-    """Fails once, after its first shard is committed: a worker dying mid-bundle."""
+class _FailOnce(commit.CommitBatch):
+    """Fails once, after its first batch is committed: a worker dying mid-bundle."""
 
     def __init__(self, flag, *args):
         super().__init__(*args)
         self._flag = flag
 
-    def _flush(self):
-        super()._flush()
+    def process(self, result):
+        yield from super().process(result)
         if not os.path.exists(self._flag):
             open(self._flag, "w").close()
             raise RuntimeError("injected failure mid-bundle")
@@ -137,16 +137,18 @@ class _FailOnce(commit.CommitShards):
 
 def test_retried_bundle_rewrites_the_same_shards(tmp_path):
     """Beam's bundle-based DirectRunner retries a failed bundle; the retry re-commits the
-    rows the failed attempt had committed. Shard names come from the rows' keys, so the
+    batches the failed attempt had committed. Shard names come from the rows' keys, so the
     retry replaces those shards: each row once. Catches shard names made per attempt."""
+    from apache_beam.ml.inference.base import PredictionResult
     from apache_beam.runners.direct.direct_runner import BundleBasedDirectRunner
 
     rows = [_row(f"p{i}") for i in range(7)]
+    batches = [PredictionResult(None, (rows[i:i + 2], [])) for i in range(0, len(rows), 2)]
     out = tmp_path / "out"
     out.mkdir()
     with beam.Pipeline(runner=BundleBasedDirectRunner()) as p:
-        _ = (p | beam.Create(rows, reshuffle=False)
-             | beam.ParDo(_FailOnce(str(tmp_path / "failed"), str(out), "completions", COMPLETIONS, 2)))
+        _ = (p | beam.Create(batches, reshuffle=False)
+             | beam.ParDo(_FailOnce(str(tmp_path / "failed"), str(out))))
     assert os.path.exists(tmp_path / "failed")
     done, _ = keys(out)
     assert sorted(done) == sorted((r["id"], "none", 0) for r in rows)

@@ -15,6 +15,10 @@ Dataflow with TPU workers (see configs/dataflow_tpu.yaml and Dockerfile):
     --temp_location gs://B/tmp --worker_machine_type ct5lp-hightpu-1t
     --dataflow_service_options "worker_accelerator=type:tpu-v5-lite-podslice;topology:1x1"
     --sdk_container_image IMAGE
+A Dask cluster (pip install "specsamp[dask]"): a LocalCluster of N worker processes here
+  specsamp run --config configs/humaneval.yaml --runner DaskRunner --dask_workers 2
+or an existing cluster (dask scheduler; dask worker tcp://HOST:8786 on each machine)
+  specsamp run --config C --runner DaskRunner --dask_client_address tcp://HOST:8786
 Rows are committed as batches finish. A re-run with the same config and output resumes:
 samples already written are skipped (--retry-errors [KIND,...] attempts error rows again).
 Ctrl-C / SIGTERM stop with exit 130 / 143 and keep every committed row. --dry_run true
