@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from specsamp.loading.families import config_from_hf
 from specsamp.models.config import ModelConfig
 from specsamp.models.model import Model
 from specsamp.quant import kernels
-from specsamp.testing import write_tiny_tokenizer
+from specsamp.testing import write_gguf, write_tiny_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FAMILIES = ["tiny_llama3", "tiny_qwen3", "tiny_qwen3_yarn", "tiny_mistral", "tiny_gemma2",
@@ -74,19 +75,50 @@ def _engine(cfg, params, draft, k=3):
                   max_new_tokens=64)
 
 
-@pytest.mark.parametrize("family", FAMILIES, indirect=True)
-def test_greedy_matches_transformers_and_speculative(family):
+@pytest.mark.parametrize("family,backend", [(f, "default") for f in FAMILIES]
+                         + [("tiny_gemma2", "xla")], indirect=["family"])
+def test_greedy_matches_transformers_and_speculative(family, backend, monkeypatch):
     """Catches a decoding-time fault the one-pass logits miss (a window or RoPE wrong only
     at positions past the prompt, per-layer features lost when the early-exit draft cuts
     the layers): 64 greedy tokens of the compiled loop equal transformers', and speculative
-    greedy (an early-exit draft) equals them too."""
+    greedy (an early-exit draft) equals them too; on the native attention kernel where it
+    is built, and on XLA's (one windowed, soft-capped family)."""
+    if backend == "xla":  # the attention is chosen when the loop is traced: trace afresh
+        monkeypatch.setenv("SPECSAMP_QUANT_BACKEND", "xla")
+        jax.clear_caches()
+        assert Model(family[0].cfg).attention == "xla"
+    try:
+        m, ref = family
+        prompt = [int(t) for t in ref["tokens"]]
+        ar = _engine(m.cfg, m.params, "none").run([prompt], [0])[0]
+        assert list(ar.token_ids) == ref["greedy"].tolist()
+        spec = _engine(m.cfg, m.params, "early-exit:1").run([prompt], [0])[0]
+        assert spec.token_ids == ar.token_ids
+        assert sum(spec.drafted) > 0
+    finally:
+        if backend == "xla":
+            jax.clear_caches()
+
+
+@pytest.mark.parametrize("family", ["tiny_llama3", "tiny_qwen3", "tiny_qwen3_yarn", "tiny_gemma2",
+                                    "tiny_gemma3"], indirect=True)
+def test_gguf_equals_its_hf_folder(family, tmp_path):
+    """Catches a GGUF family read unlike its Hugging Face folder: Gemma's norms stored plus
+    one (read as 1 + w twice, or not at all), post-norm and q/k-norm names, the window and
+    its layers, soft caps, Gemma 3's linear scaling and local base, Llama 3's rope_freqs
+    divisors, yarn's parameters. The file is written as llama.cpp's converter writes it (`write_gguf`); it
+    cannot carry Gemma's query_pre_attn_scalar (llama.cpp takes the head width), so the
+    folder's model is compared with that scale."""
     m, ref = family
-    prompt = [int(t) for t in ref["tokens"]]
-    ar = _engine(m.cfg, m.params, "none").run([prompt], [0])[0]
-    assert ar.token_ids == ref["greedy"].tolist()
-    spec = _engine(m.cfg, m.params, "early-exit:1").run([prompt], [0])[0]
-    assert spec.token_ids == ar.token_ids
-    assert sum(spec.drafted) > 0
+    path = write_gguf(m.name, str(tmp_path / "m.gguf"))
+    g = load_model(path)
+    assert g.cfg.norm_plus_one is False and g.cfg.sliding_layers == m.cfg.sliding_layers
+    cfg = dataclasses.replace(m.cfg, query_scale=None) if m.cfg.embed_scale else m.cfg
+    tokens = jnp.asarray(ref["tokens"])[None]
+    t = tokens.shape[1]
+    want, _ = Model(cfg).forward(m.params, tokens, jnp.arange(t)[None], Model(cfg).init_cache(1, t))
+    got, _ = Model(g.cfg).forward(g.params, tokens, jnp.arange(t)[None], Model(g.cfg).init_cache(1, t))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
 def _config(name):
@@ -134,3 +166,22 @@ def test_unsupported_configs_are_one_line(change, message):
     with pytest.raises(UserError, match=message) as e:
         config_from_hf(c)
     assert "\n" not in str(e.value)
+
+
+def test_unsupported_architecture_exits_2(tmp_path):
+    """Catches an unsupported checkpoint reaching the model (a traceback) or leaving files
+    behind: the CLI says in one line which architecture and what is supported, exit 2,
+    and writes nothing to the cache."""
+    from tests.test_cli import _cli
+
+    folder = shutil.copytree(os.path.join(DATA, "tiny_qwen3"), tmp_path / "phi")
+    write_tiny_tokenizer(str(folder))
+    c = {**_config("tiny_qwen3"), "architectures": ["Phi3ForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(c))
+    out = _cli(["generate", "--prompt", "hi", "--target", str(folder)], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "'Phi3ForCausalLM' is not supported" in errors[0], out.stderr
+    assert "Gemma3ForCausalLM" in errors[0]
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))

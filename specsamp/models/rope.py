@@ -1,7 +1,8 @@
 """Rotary position embeddings: plain, and the scalings checkpoints ask for ('linear',
 'llama3', 'yarn'), as Hugging Face transformers defines them.
 
-A scaling changes only the inverse frequencies (and, for yarn, multiplies cos and sin by an
+GGUF files carry Llama 3's scaling as per-frequency divisors instead ('divisors', from
+the file's rope_freqs tensor). A scaling changes only the inverse frequencies (and, for yarn, multiplies cos and sin by an
 attention factor); they depend on the config alone, so they are computed once here in
 numpy (float32 where transformers computes in float32) and enter the program as constants.
 """
@@ -49,6 +50,8 @@ def scaled_frequencies(head_dim: int, theta: float, p: dict) -> tuple[np.ndarray
         return _llama3(inv_freq, p), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, p)
+    if kind == "divisors":  # GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
+        return (inv_freq / np.asarray(p["divisors"], np.float32)).astype(np.float32), 1.0
     raise ValueError(f"RoPE scaling {kind!r} is not one of {SCALINGS}")
 
 
