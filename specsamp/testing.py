@@ -228,7 +228,8 @@ def _write_family_metadata(writer, c: dict, arch: str) -> None:
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     elif scaling.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_divisors(cfg.head_dim, cfg.rope_theta, scaling))
+        divisors = _llama3_divisors(cfg.head_dim, cfg.rope_theta, scaling)
+        writer.add_tensor("rope_freqs.weight", divisors)
 
 
 def _llama3_divisors(head_dim: int, theta: float, p: dict) -> np.ndarray:

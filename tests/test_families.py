@@ -106,9 +106,9 @@ def test_gguf_equals_its_hf_folder(family, tmp_path):
     """Catches a GGUF family read unlike its Hugging Face folder: Gemma's norms stored plus
     one (read as 1 + w twice, or not at all), post-norm and q/k-norm names, the window and
     its layers, soft caps, Gemma 3's linear scaling and local base, Llama 3's rope_freqs
-    divisors, yarn's parameters. The file is written as llama.cpp's converter writes it (`write_gguf`); it
-    cannot carry Gemma's query_pre_attn_scalar (llama.cpp takes the head width), so the
-    folder's model is compared with that scale."""
+    divisors, yarn's parameters. The file is written as llama.cpp's converter writes it
+    (`write_gguf`); it cannot carry Gemma's query_pre_attn_scalar (llama.cpp takes the
+    head width), so the folder's model is compared with that scale."""
     m, ref = family
     path = write_gguf(m.name, str(tmp_path / "m.gguf"))
     g = load_model(path)
@@ -116,8 +116,9 @@ def test_gguf_equals_its_hf_folder(family, tmp_path):
     cfg = dataclasses.replace(m.cfg, query_scale=None) if m.cfg.embed_scale else m.cfg
     tokens = jnp.asarray(ref["tokens"])[None]
     t = tokens.shape[1]
-    want, _ = Model(cfg).forward(m.params, tokens, jnp.arange(t)[None], Model(cfg).init_cache(1, t))
-    got, _ = Model(g.cfg).forward(g.params, tokens, jnp.arange(t)[None], Model(g.cfg).init_cache(1, t))
+    positions = jnp.arange(t)[None]
+    want, _ = Model(cfg).forward(m.params, tokens, positions, Model(cfg).init_cache(1, t))
+    got, _ = Model(g.cfg).forward(g.params, tokens, positions, Model(g.cfg).init_cache(1, t))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
@@ -185,3 +186,31 @@ def test_unsupported_architecture_exits_2(tmp_path):
     assert "Gemma3ForCausalLM" in errors[0]
     cache = tmp_path / "cache"
     assert not cache.exists() or not any(p.is_file() for p in cache.rglob("*"))
+
+
+class _Meta:
+    """GGUF metadata as the loader reads it (`get`), from a dict."""
+
+    def __init__(self, fields):
+        self.fields = fields
+
+    def get(self, key, default=None):
+        return self.fields.get(key, default)
+
+
+@pytest.mark.parametrize("arch,layers,flags,scale", [
+    ("gemma2", 4, (True, False, True, False), None),
+    ("gemma3", 12, ((True,) * 5 + (False,)) * 2, None),
+    ("gemma2", 46, (True, False) * 23, (4608 / 32) ** -0.5),  # the 27B: D / H
+])
+def test_gguf_gemma_rules_follow_llama_cpp(arch, layers, flags, scale):
+    """Catches GGUF Gemma files read with other fixed rules than llama.cpp's where the
+    format carries nothing (the written test files list their window layers): every other
+    layer (Gemma 2) or five of six (Gemma 3) has the window; the 27B models scale queries
+    by D / H, the others by the head width."""
+    from specsamp.loading import gguf as gguf_loader
+
+    family = gguf_loader._FAMILIES[arch]
+    meta = _Meta({f"{arch}.attention.sliding_window": 512})
+    assert gguf_loader._windows(meta, arch, family, layers) == (512, flags)
+    assert gguf_loader._query_scale(meta, arch, family, layers, 4608 // 32) == scale

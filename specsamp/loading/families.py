@@ -117,7 +117,8 @@ def _activation(c: dict, family: dict) -> str:
     if family.get("activation") == "gelu_tanh":
         act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise UserError(f"Gemma activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+            raise UserError(f"Gemma activation {act!r} is not supported "
+                            "(supported: gelu_pytorch_tanh)")
         return "gelu_tanh"
     if c.get("hidden_act", "silu") != "silu":
         raise UserError(f"activation {c['hidden_act']!r} is not supported (supported: silu)")
@@ -137,7 +138,10 @@ def _rope(c: dict, family: dict) -> tuple[float, tuple, float | None]:
     (rope_parameters, per layer type where they differ)."""
     params = c.get("rope_parameters") or {}
     per_type = "full_attention" in params or "sliding_attention" in params
-    glob = (params.get("full_attention") or {}) if per_type else (params or c.get("rope_scaling") or {})
+    if per_type:
+        glob = params.get("full_attention") or {}
+    else:
+        glob = params or c.get("rope_scaling") or {}
     theta = float(c.get("rope_theta", glob.get("rope_theta", family.get("rope_theta", 10000.0))))
     local = None
     if "rope_local_base_freq" in family:

@@ -121,10 +121,10 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],))
+        if self.plus_one:
+            scale = 1.0 + scale.astype(jnp.float32)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return (y * scale).astype(x.dtype)
 
 

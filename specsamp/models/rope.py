@@ -2,9 +2,10 @@
 'llama3', 'yarn'), as Hugging Face transformers defines them.
 
 GGUF files carry Llama 3's scaling as per-frequency divisors instead ('divisors', from
-the file's rope_freqs tensor). A scaling changes only the inverse frequencies (and, for yarn, multiplies cos and sin by an
-attention factor); they depend on the config alone, so they are computed once here in
-numpy (float32 where transformers computes in float32) and enter the program as constants.
+the file's rope_freqs tensor). A scaling changes only the inverse frequencies (and, for
+yarn, multiplies cos and sin by an attention factor); they depend on the config alone, so
+they are computed once here in numpy (float32 where transformers computes in float32) and
+enter the program as constants.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def scaled_frequencies(head_dim: int, theta: float, p: dict) -> tuple[np.ndarray
 def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
     """Llama 3.1's: long wavelengths divided by `factor`, short ones kept, a smooth blend
     between the two bands."""
-    factor, low, high = (np.float32(p[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    factor, low, high = (np.float32(p[k])
+                         for k in ("factor", "low_freq_factor", "high_freq_factor"))
     old = np.float32(p["original_max_position_embeddings"])
     wavelen = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
