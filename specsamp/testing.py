@@ -153,9 +153,10 @@ def write_gguf(folder: str, out_path: str, tensor_type: str = "F32") -> str:
 
     with open(os.path.join(folder, "config.json")) as fh:
         c = json.load(fh)
-    arch = "qwen2" if c["architectures"][0] == "Qwen2ForCausalLM" else "llama"
+    arch = _GGUF_ARCH[c["architectures"][0]]
     writer = gguf.GGUFWriter(out_path, arch)
     _write_gguf_metadata(writer, c, folder)
+    _write_family_metadata(writer, c, arch)
     qtype = gguf.GGMLQuantizationType[tensor_type]
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     for name, w in sorted(load_file(os.path.join(folder, "model.safetensors")).items()):
@@ -163,7 +164,10 @@ def write_gguf(folder: str, out_path: str, tensor_type: str = "F32") -> str:
         if arch == "llama" and kind in heads:  # llama.cpp's permute, for its interleaved RoPE
             n = heads[kind]
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        target = _GGUF_NAMES[name.split(".", 3)[-1] if ".layers." in name else name]
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
+        names = {**_GGUF_NAMES, **_GEMMA_NAMES} if arch.startswith("gemma") else _GGUF_NAMES
+        target = names[name.split(".", 3)[-1] if ".layers." in name else name]
         target = target.format(name.split(".")[2]) if "{}" in target else target
         if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(target, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -186,7 +190,65 @@ _GGUF_NAMES = {
        for kind in ("weight", "bias")},
     "input_layernorm.weight": "blk.{}.attn_norm.weight",
     "post_attention_layernorm.weight": "blk.{}.ffn_norm.weight",
+    "self_attn.q_norm.weight": "blk.{}.attn_q_norm.weight",
+    "self_attn.k_norm.weight": "blk.{}.attn_k_norm.weight",
 }
+_GEMMA_NAMES = {"post_attention_layernorm.weight": "blk.{}.post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "blk.{}.ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "blk.{}.post_ffw_norm.weight"}
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+              "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+
+
+def _write_family_metadata(writer, c: dict, arch: str) -> None:
+    """What llama.cpp's converter writes beyond Llama's keys: head width, Gemma's window
+    and soft caps (and, unlike it, Gemma 3's layers with a window, when not its fixed
+    five-of-six), RoPE scaling (Llama 3's as the rope_freqs divisors)."""
+    import gguf
+
+    from specsamp.loading.families import config_from_hf
+
+    cfg = config_from_hf(c)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma3":
+            writer.add_sliding_window_pattern(list(cfg.sliding_layers))
+        for key, cap in (("attn", cfg.attn_softcap), ("final", cfg.final_softcap)):
+            if cap is not None:
+                getattr(writer, f"add_{key}_logit_softcapping")(cap)
+    scaling = dict(cfg.rope_scaling)
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    elif scaling.get("rope_type") == "llama3":
+        divisors = _llama3_divisors(cfg.head_dim, cfg.rope_theta, scaling)
+        writer.add_tensor("rope_freqs.weight", divisors)
+
+
+def _llama3_divisors(head_dim: int, theta: float, p: dict) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs for Llama 3 scaling: per frequency, 1 (short
+    wavelengths), the factor (long ones), or the smoothed blend's inverse."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def _write_gguf_metadata(writer, c: dict, folder: str) -> None:

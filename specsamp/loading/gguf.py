@@ -7,8 +7,15 @@ Two layout facts matter here:
   interleaved RoPE (pairs 2i, 2i+1) computes what Hugging Face's rotate-half RoPE (pairs
   i, i + E/2) computed. Our model is rotate-half, so the permutation is undone. Keeping it
   runs without error and produces fluent-looking nonsense, so tests check logits against an
-  independent implementation. 'qwen2' models are written unpermuted (llama.cpp runs them
-  with rotate-half), so nothing is undone there.
+  independent implementation. 'qwen2', 'qwen3' and Gemma models are written unpermuted
+  (llama.cpp runs them with rotate-half), so nothing is undone there.
+
+Gemma: llama.cpp's converter stores each RMSNorm weight plus one, so its norms scale by w
+as stored (not 1 + w), and llama.cpp fixes what the format does not carry: the query
+scale (head width, or D / H for the 27B models), the layers with a window (every other for
+Gemma 2, five of six for Gemma 3, unless the file lists them) and Gemma 3's local RoPE base
+10000 (unless the file gives one). Llama 3's RoPE scaling comes as the tensor of per-
+frequency divisors `rope_freqs.weight`.
 """
 
 from __future__ import annotations
@@ -19,7 +26,17 @@ from specsamp.errors import UserError
 from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf
 from specsamp.models.llama import ModelConfig
 
-ARCHITECTURES = ("llama", "qwen2")
+_GEMMA = {"embed_scale": True, "post_norms": True, "activation": "gelu_tanh"}
+# Per architecture: features it always has (ModelConfig fields), and llama.cpp's fixed rules.
+_FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"qk_norm": True},
+    "gemma2": {**_GEMMA, "window_every": 2, "big_layers": 46},
+    "gemma3": {**_GEMMA, "qk_norm": True, "window_every": 6, "big_layers": 62,
+               "local_rope_theta": 10000.0},
+}
+ARCHITECTURES = tuple(_FAMILIES)
 _PERMUTED_QK = ("llama",)
 
 # GGUF per-layer tensor -> our path under `layers` (kernels are transposed to [in, out])
@@ -33,11 +50,15 @@ _LAYER_TENSORS = {
     "attn_k.bias": "attn/k/bias",
     "attn_v.bias": "attn/v/bias",
     "ffn_norm.weight": "mlp_norm/scale",
+    "attn_q_norm.weight": "attn/q_norm/scale",
+    "attn_k_norm.weight": "attn/k_norm/scale",
+    "post_attention_norm.weight": "post_attn_norm/scale",
+    "post_ffw_norm.weight": "post_mlp_norm/scale",
     "ffn_gate.weight": "mlp/gate/kernel",
     "ffn_up.weight": "mlp/up/kernel",
     "ffn_down.weight": "mlp/down/kernel",
 }
-_GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+_GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight")
 
 
 # Block formats kept as they are stored with `stored=True` (others are dequantized).
@@ -91,17 +112,19 @@ def _config(meta: _Metadata, arch: str, tensors: dict) -> ModelConfig:
             raise UserError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensors:
-        raise UserError(f"RoPE scaling ({scaling or 'rope_freqs'}) is not supported")
+    family = _FAMILIES[arch]
     d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    n_layers = int(need("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // n_heads))
     if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise UserError("partial rotary embeddings are not supported")
+    window, sliding = _windows(meta, arch, family, n_layers)
+    cap = {k: meta.get(f"{arch}.{k}_logit_softcapping") for k in ("attn", "final")}
+    features = {k: v for k, v in family.items() if k in ModelConfig.__dataclass_fields__}
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         d_model=d_model,
-        n_layers=int(need("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
@@ -111,7 +134,67 @@ def _config(meta: _Metadata, arch: str, tensors: dict) -> ModelConfig:
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         max_seq_len=int(meta.get(f"{arch}.context_length", 8192)),
+        rope_scaling=_rope_scaling(meta, arch, tensors),
+        query_scale=_query_scale(meta, arch, family, n_layers, d_model // n_heads),
+        attn_softcap=None if cap["attn"] is None else float(cap["attn"]),
+        final_softcap=None if cap["final"] is None else float(cap["final"]),
+        sliding_window=window,
+        sliding_layers=sliding,
+        **{**features, "local_rope_theta": _local_theta(meta, arch, family)},
     )
+
+
+def _rope_scaling(meta: _Metadata, arch: str, tensors: dict) -> tuple:
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in tensors:  # Llama 3: inverse frequencies divided by these
+        if scaling not in (None, "none"):
+            raise UserError(f"RoPE scaling {scaling!r} with rope_freqs is not supported")
+        factors = dequantize(tensors["rope_freqs.weight"]).reshape(-1)
+        return (("divisors", tuple(float(f) for f in factors)), ("rope_type", "divisors"))
+    if scaling in (None, "none"):
+        return ()
+    factor = ("factor", float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
+    if scaling == "linear":
+        return (factor, ("rope_type", "linear"))
+    if scaling == "yarn":  # with transformers' defaults for what the file leaves out
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise UserError(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length")
+        extra = [(k, float(v)) for k, v in (
+            ("beta_fast", meta.get(f"{arch}.rope.scaling.yarn_beta_fast")),
+            ("beta_slow", meta.get(f"{arch}.rope.scaling.yarn_beta_slow"))) if v is not None]
+        return tuple(sorted([factor, ("original_max_position_embeddings", int(original)),
+                             ("rope_type", "yarn"), *extra]))
+    raise UserError(f"GGUF RoPE scaling {scaling!r} is not supported (supported: linear, yarn, "
+                    "Llama 3's rope_freqs)")
+
+
+def _query_scale(meta: _Metadata, arch: str, family: dict, n_layers: int, width: int):
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale is not None:
+        return float(scale)
+    if n_layers == family.get("big_layers"):  # llama.cpp: Gemma's 27B scales by D / H
+        return width ** -0.5
+    return None
+
+
+def _local_theta(meta: _Metadata, arch: str, family: dict):
+    if "local_rope_theta" not in family:
+        return None
+    return float(meta.get(f"{arch}.rope.freq_base_swa", family["local_rope_theta"]))
+
+
+def _windows(meta: _Metadata, arch: str, family: dict, n_layers: int):
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window or "window_every" not in family:
+        return None, ()
+    listed = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(listed, list) and len(listed) == n_layers:
+        flags = tuple(bool(f) for f in listed)
+    else:
+        every = family["window_every"]
+        flags = tuple(i % every < every - 1 for i in range(n_layers))
+    return (int(window), flags) if any(flags) else (None, ())
 
 
 def dequantize(tensor) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specsamp.models.argmax import first_argmax
 from specsamp.models.llama import (
-    KVCache, Linear, ModelConfig, rope_tables, run_layers, setup_decoder,
+    KVCache, Linear, ModelConfig, run_layers, setup_decoder,
 )
 
 BORROWED = ("embed", "lm_head", "head")
@@ -44,8 +44,7 @@ class FeatureDraft(nn.Module):
 
     def __call__(self, tokens, features, positions, cache: KVCache):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, cache = run_layers(self, x, cache, cos, sin, positions, self.attention)
+        x, cache = run_layers(self, x, cache, positions, self.attention)
         return self.final_norm(x), cache
 
     def logits(self, g):

@@ -1,5 +1,7 @@
 """A Llama-family decoder in Flax: RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU MLP, tied or untied head, optional q/k/v bias (Qwen2).
+gated MLP, tied or untied head; the features of Qwen2/3, Mistral and Gemma 2/3 as the
+config switches them on (`specsamp.models.config`): q/k/v bias, q/k norms, GeGLU, (1 + w)
+norms, post-norms, scaled embeddings, soft-capping, sliding windows on some layers.
 
 Axes: B batch, T tokens in this call, S cache slots, L layers, D model width, H query heads,
 G query heads per KV head, J KV heads, E head dim, F MLP width, V vocab.
@@ -9,53 +11,28 @@ are explicit and per row; each call writes its T keys/values at the row's positi
 must be contiguous (they are: prefill, draft steps and the K+1 scoring block). A query at
 position p attends to cache slots 0..p only, so slots beyond a row's length hold stale
 entries (rejected draft tokens, padding) that are never read and are overwritten by the
-next write at those positions: rejection needs no cache copy.
+next write at those positions: rejection needs no cache copy. A sliding-window layer of
+window W also skips slots at or below p - W (the cache stays full-length: slot = position).
 
 Layers are one `nn.scan` over stacked weights (leading axis L): one layer compiles once, and
 early-exit drafting is the same module with `n_layers=L'` and the first L' weight slices.
+What differs between layers (window, RoPE base) is scanned along as per-layer arrays
+(`ModelConfig.layer_arrays`), not branched on in Python.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specsamp.models.config import ModelConfig
+from specsamp.models.rope import apply_rope, rope_tables
 from specsamp.quant import dequantize_rows, is_quantized, matmul, matmul_many
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    max_seq_len: int = 8192
-
-    def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError("n_heads must be a multiple of n_kv_heads")
-
-    def truncated(self, n_layers: int) -> "ModelConfig":
-        return dataclasses.replace(self, n_layers=n_layers)
-
-    @property
-    def n_params(self) -> int:
-        d, f, e = self.d_model, self.d_ff, self.head_dim
-        attn = d * e * (self.n_heads * 2 + self.n_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.n_layers * per_layer + d + head
+__all__ = ["KVCache", "ModelConfig", "Transformer", "apply_rope", "init_cache", "init_params",
+           "layer_rope", "rope_tables", "run_layers", "setup_decoder"]
 
 
 @flax.struct.dataclass
@@ -135,29 +112,38 @@ class Embed(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """Over the last axis. plus_one (Gemma): scales by (1 + w) in float32, w stored from 0."""
+
     eps: float
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],))
+        if self.plus_one:
+            scale = 1.0 + scale.astype(jnp.float32)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float):
-    """cos/sin [B, T, E/2] for the rotate-half layout (Hugging Face's convention)."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+def _norm(cfg: ModelConfig, name: str) -> RMSNorm:
+    return RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name=name)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, E]: rotate the pairs (i, i + E/2) by the position's angles."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def layer_rope(cfg: ModelConfig, positions: jax.Array) -> tuple:
+    """The RoPE tables the layers take: ((cos, sin),) of the global layers, and a second
+    pair for the sliding layers where their base differs (Gemma 3); each [B, T, E/2]."""
+    tables = (rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),)
+    if cfg.local_rope_theta is not None:
+        tables += (rope_tables(positions, cfg.head_dim, cfg.local_rope_theta),)
+    return tables
 
 
 def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -171,31 +157,38 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, positions, k_cache, v_cache, layer=None):
+    def __call__(self, x, rope, positions, k_cache, v_cache, window, layer=None):
         """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written.
         With `layer` (an index), the whole stacks [L, B, J, S, E] instead, written and read
-        in place at that layer by the native kernel (`specsamp.quant.kernels.attend`)."""
+        in place at that layer by the native kernel (`specsamp.quant.kernels.attend`).
+        rope: this layer's (cos, sin); window: this layer's sliding window (0: none)."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = _linears(self, x, [(name, n * e, cfg.qkv_bias)
                                      for name, n in (("q", h), ("k", j), ("v", j))])
         q, k, v = q.reshape(b, t, h, e), k.reshape(b, t, j, e), v.reshape(b, t, j, e)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.qk_norm:
+            q, k = _norm(cfg, "q_norm")(q), _norm(cfg, "k_norm")(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if layer is not None:
             from specsamp.quant.kernels import attend
 
-            out, k_cache, v_cache = attend(layer, q, k, v, positions, k_cache, v_cache, e**-0.5)
+            out, k_cache, v_cache = attend(layer, q, k, v, positions, k_cache, v_cache,
+                                           cfg.scale, window, cfg.attn_softcap)
             out = out.astype(x.dtype).reshape(b, t, h * e)
             return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
         start = positions[:, 0]
         k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
 
-        q = q.reshape(b, t, j, h // j, e) * (e**-0.5)
+        q = q.reshape(b, t, j, h // j, e) * cfg.scale
         scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
+        scores = softcap(scores, cfg.attn_softcap)
         slots = jnp.arange(k_cache.shape[2])
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        if cfg.windowed:  # keys within the window: positions p - W < slot <= p
+            visible &= (window <= 0) | (slots[None, None, :] > positions[:, :, None] - window)
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
@@ -208,25 +201,40 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         gate, up = _linears(self, x, [("gate", self.cfg.d_ff, False), ("up", self.cfg.d_ff, False)])
-        return Linear(self.cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+        if self.cfg.activation == "gelu_tanh":
+            gate = nn.gelu(gate, approximate=True)
+        else:
+            gate = nn.silu(gate)
+        return Linear(self.cfg.d_model, use_bias=False, name="down")(gate * up)
 
 
 class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, cos, sin, positions, layer=None):
+    def __call__(self, x, layer_cache, per_layer, rope, positions, layer=None):
+        """per_layer: this layer's entries of `ModelConfig.layer_arrays` (scalars); rope:
+        `layer_rope`'s tables, of which the layer takes its own."""
+        cfg = self.cfg
         k_cache, v_cache = layer_cache
-        attn_out, k_cache, v_cache = Attention(self.cfg, name="attn")(
-            RMSNorm(self.cfg.norm_eps, name="attn_norm")(x), cos, sin, positions, k_cache, v_cache,
+        if len(rope) == 2:
+            local = per_layer["local"] > 0
+            rope = tuple(jnp.where(local, lo, gl) for gl, lo in zip(*rope))
+        else:
+            rope = rope[0]
+        attn_out, k_cache, v_cache = Attention(cfg, name="attn")(
+            _norm(cfg, "attn_norm")(x), rope, positions, k_cache, v_cache, per_layer["window"],
             layer)
+        if cfg.post_norms:
+            attn_out = _norm(cfg, "post_attn_norm")(attn_out)
         x = x + attn_out
-        x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x))
-        return x, (k_cache, v_cache)
+        mlp_out = MLP(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x))
+        if cfg.post_norms:
+            mlp_out = _norm(cfg, "post_mlp_norm")(mlp_out)
+        return x + mlp_out, (k_cache, v_cache)
 
 
-def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
-               attention: str = "xla"):
+def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str = "xla"):
     """The layer stack of `module` (set up by `setup_decoder`) over x: (x, new cache).
 
     At init, Flax's nn.scan declares the stacked weights. At apply, a plain lax.scan over
@@ -237,21 +245,27 @@ def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
     attention "cpu": the whole cache is carried through the scan and each layer's native
     kernel writes and reads it in place (XLA's scan over per-layer cache slices rewrites
     the whole cache every step, and attends over every slot, used or not)."""
+    cfg = module.cfg
+    rope = layer_rope(cfg, positions)
+    per_layer = {k: jnp.asarray(a) for k, a in cfg.layer_arrays().items()}
     if module.is_initializing():
-        x, (k, v) = module.layers(x, (cache.k, cache.v), cos, sin, positions)
+        x, (k, v) = module.layers(x, (cache.k, cache.v), per_layer, rope, positions)
         return x, KVCache(k=k, v=v)
     from specsamp.quant import layer_view
 
     stacked = module.variables["params"]["layers"]
-    block = Block(module.cfg, parent=None)  # a free module, applied to one layer at a time
+    block = Block(cfg, parent=None)  # a free module, applied to one layer at a time
 
     def weights(i):  # layer i's view of the stacked weights
         return {"params": jax.tree.map(lambda a: layer_view(a, i), stacked, is_leaf=is_quantized)}
 
+    def mine(i):  # layer i's per-layer features
+        return {k: a[i] for k, a in per_layer.items()}
+
     if attention == "cpu":
         def carried(carry, i):
             x, k, v = carry
-            x, (k, v) = block.apply(weights(i), x, (k, v), cos, sin, positions, i)
+            x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions, i)
             return (x, k, v), None
 
         (x, k, v), _ = jax.lax.scan(carried, (x, cache.k, cache.v),
@@ -260,7 +274,7 @@ def run_layers(module: nn.Module, x, cache: KVCache, cos, sin, positions,
 
     def body(x, inputs):
         i, k, v = inputs
-        x, (k, v) = block.apply(weights(i), x, (k, v), cos, sin, positions)
+        x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions)
         return x, (k, v)
 
     x, (k, v) = jax.lax.scan(body, x, (jnp.arange(cache.k.shape[0]), cache.k, cache.v))
@@ -276,12 +290,21 @@ def setup_decoder(module: nn.Module) -> None:
         Block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, 0, nn.broadcast, nn.broadcast),
         length=cfg.n_layers,
     )(cfg, name="layers")
-    module.final_norm = RMSNorm(cfg.norm_eps, name="final_norm")
+    module.final_norm = _norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
         module.lm_head = Linear(cfg.vocab_size, use_bias=False, name="lm_head")
+
+
+def embed_tokens(module: nn.Module, tokens) -> jax.Array:
+    """The embeddings of tokens [B, T] -> [B, T, D] (times sqrt(D), rounded to their type,
+    where the config says: Gemma)."""
+    x = module.embed(tokens)
+    if module.cfg.embed_scale:
+        x = x * jnp.asarray(module.cfg.d_model ** 0.5, x.dtype)
+    return x
 
 
 class Transformer(nn.Module):
@@ -296,17 +319,18 @@ class Transformer(nn.Module):
         setup_decoder(self)
 
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
-        x = self.embed(tokens)
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        x, cache = run_layers(self, x, cache, cos, sin, positions, self.attention)
+        x = embed_tokens(self, tokens)
+        x, cache = run_layers(self, x, cache, positions, self.attention)
         hidden = self.final_norm(x)
         out = self.logits(hidden) if head else hidden
         return out, cache
 
     def logits(self, hidden):
         if self.cfg.tie_embeddings:
-            return self.embed.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            out = self.embed.attend(hidden).astype(jnp.float32)
+        else:
+            out = self.lm_head(hidden).astype(jnp.float32)
+        return softcap(out, self.cfg.final_softcap)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 1.0):

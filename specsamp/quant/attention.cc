@@ -4,7 +4,9 @@
 // operands are aliased to the outputs) and attend, for every query row, over the slots
 // 0..position of its row only. The cache is [L, B, J, S, E] and is read at layer `layer`
 // where it lies: no copy of the cache per step, and no work on the slots beyond a row's
-// position (a fixed-size cache is mostly empty while a row is short).
+// position (a fixed-size cache is mostly empty while a row is short). A sliding window W
+// (a per-layer operand, 0 for none) starts the read at slot position - W + 1 instead of 0;
+// a soft cap c (Gemma 2) maps each scaled score s to c * tanh(s / c) before the softmax.
 //
 // Every (row, token, head) is computed on its own, in the same order whatever the number of
 // tokens T in the call, so scoring K+1 tokens gives the same numbers as K+1 single steps.
@@ -21,6 +23,7 @@
 // exact floats: all arithmetic stays float32, in the same order for both.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -70,6 +73,8 @@ inline float to_float(uint16_t v) { return specsamp::half_to_float(v); }
 struct Shape {
   int64_t batch, tokens, heads, kv_heads, slots, dim, layer;
   float scale;
+  int64_t window;  // sliding window (0: none)
+  float softcap;   // 0: none
 };
 
 // The sum of kLanes partial sums as a tree: lane l with l + 8, then + 4, + 2, + 1.
@@ -258,7 +263,10 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
                   const Fast<KV>& fast) {
   const int64_t E = s.dim, stride = s.slots + 16;
   for (int64_t t = 0; t < s.tokens; ++t) {
-    const int64_t last = std::min<int64_t>(std::max<int32_t>(pos[b * s.tokens + t], 0), s.slots - 1);
+    const int64_t p = std::max<int32_t>(pos[b * s.tokens + t], 0);
+    const int64_t last = std::min<int64_t>(p, s.slots - 1);
+    // The first visible slot: keys at positions p - window < slot <= p.
+    const int64_t first = s.window > 0 ? std::min(std::max<int64_t>(p - s.window + 1, 0), last) : 0;
     const float* qv = q + ((b * s.tokens + t) * s.heads + h0) * E;  // G heads' queries
     // The next token's queries (one row of a strided [B, T, H, E]: too far apart for the
     // hardware to fetch ahead; waiting for it was a quarter of a prefill's attention).
@@ -271,7 +279,7 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
       // Slots past `last` are read but not used: a block of 16 computes each slot's score
       // on its own, so a last, partial block runs as a whole one where the cache has the
       // room (the scratch has 16 spare entries).
-      for (int64_t slot = 0; slot <= last; slot += 16) {
+      for (int64_t slot = first; slot <= last; slot += 16) {
         const int64_t n = slot + 16 <= s.slots ? 16 : last + 1 - slot;
         // This block's values, for the weighted sums after the softmax: fetched while
         // the scores compute, rather than on demand after them (float16 cache: 5-8% off
@@ -281,7 +289,7 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
         for (int64_t g = 0; g < G; ++g) fast.scores(qs[g], kc + slot * E, n, scores + g * stride + slot);
       }
     } else {
-      for (int64_t slot = 0; slot <= last; ++slot) {
+      for (int64_t slot = first; slot <= last; ++slot) {
         const KV* kv = kc + slot * E;
         for (int64_t g = 0; g < G; ++g) {
           float acc[kLanes] = {0};
@@ -293,22 +301,28 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
         }
       }
     }
+    if (s.softcap > 0.f)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t slot = first; slot <= last; ++slot) {
+          float& x = scores[g * stride + slot];
+          x = std::tanh(x / s.softcap) * s.softcap;
+        }
     float inv[kMaxGroup];
     float* o[kMaxGroup];
     for (int64_t g = 0; g < G; ++g) {
-      inv[g] = softmax_in_place(scores + g * stride, last);
+      inv[g] = softmax_in_place(scores + g * stride + first, last - first);
       o[g] = out + ((b * s.tokens + t) * s.heads + h0 + g) * E;
     }
     if (fast.weighted[G - 1]) {
-      fast.weighted[G - 1](scores, stride, vc, last + 1, inv, o);
+      fast.weighted[G - 1](scores + first, stride, vc + first * E, last + 1 - first, inv, o);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {  // the portable loops: head by head
       const float* w = scores + g * stride;
-      float acc[2][256] = {};  // even and odd slots, as weighted_avx512 sums them
-      for (int64_t sl = 0; sl <= last; ++sl) {
+      float acc[2][256] = {};  // even and odd slots from `first`, as weighted_avx512 sums them
+      for (int64_t sl = first; sl <= last; ++sl) {
         const KV* vv = vc + sl * E;
-        float* a = acc[sl & 1];
+        float* a = acc[(sl - first) & 1];
         for (int64_t e = 0; e < E; ++e) a[e] += w[sl] * to_float(vv[e]);
       }
       for (int64_t e = 0; e < E; ++e) o[g][e] = (acc[0][e] + acc[1][e]) * inv[g];
@@ -371,7 +385,8 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* queries, con
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                       ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer k_cache,
-                      ffi::AnyBuffer v_cache, float scale,
+                      ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> window, float scale,
+                      float softcap,
                       ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
                       ffi::Result<ffi::AnyBuffer> v_out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), cd = k_cache.dimensions();
@@ -386,7 +401,8 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument(
         "attention: expected q [B, T, H, E], k/v [B, T, J, E], caches [L, B, J, S, E] both "
         "float32 or both float16, positions [B, T], E up to 256");
-  Shape s{qd[0], qd[1], qd[2], kd[2], cd[3], cd[4], *layer.typed_data(), scale};
+  Shape s{qd[0], qd[1], qd[2], kd[2], cd[3], cd[4], *layer.typed_data(), scale,
+          *window.typed_data(), softcap};
   if (s.layer < 0 || s.layer >= cd[0])
     return ffi::Error::InvalidArgument("attention: layer index out of range");
   // The caches are aliased to the outputs; should XLA have given separate buffers, start
@@ -419,7 +435,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampAttend, AttendImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

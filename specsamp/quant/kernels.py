@@ -156,17 +156,21 @@ def argmax(x: jax.Array) -> jax.Array:
     return out.reshape(lead)
 
 
-def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float):
+def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,
+           softcap: float | None = None):
     """One layer's cache write and attention on the kernel (attention.cc).
 
     q [B, T, H, E], k/v [B, T, J, E] (this call's, rotated), positions [B, T], caches
     [L, B, J, S, E] float32 or float16 (both alike). Returns (out [B, T, H, E], k_cache,
     v_cache) with this call's keys/values written at layer `layer` (rounded to the cache's
-    type); the caches are updated in place (aliased)."""
+    type); the caches are updated in place (aliased). window (an int32 scalar, may be
+    traced): a query at position p attends to slots p - window < slot <= p (0: all slots
+    up to p). softcap: scores (scaled) become softcap * tanh(score / softcap) (None: kept)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     call = jax.ffi.ffi_call("specsamp_attend", (out, cache, cache),
                             input_output_aliases={5: 1, 6: 2})
     return call(jnp.asarray(layer, jnp.int32), q.astype(jnp.float32), k.astype(jnp.float32),
                 v.astype(jnp.float32), positions.astype(jnp.int32), k_cache, v_cache,
-                scale=np.float32(scale))
+                jnp.asarray(window, jnp.int32), scale=np.float32(scale),
+                softcap=np.float32(softcap or 0.0))
