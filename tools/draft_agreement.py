@@ -47,8 +47,8 @@ def _continuations(prompts, new_tokens: int, batch: int):
                                        batch_size=batch))
     texts = [text for _, text in prompts]
     done = gen.generate(texts, seeds=[0] * len(texts))
-    seqs = [(len(gen.encode_prompt(t)), np.array(gen.encode_prompt(t) + list(c.token_ids), np.int32))
-            for t, c in zip(texts, done)]
+    ids = [gen.encode_prompt(t) for t in texts]
+    seqs = [(len(p), np.array(p + list(c.token_ids), np.int32)) for p, c in zip(ids, done)]
     return seqs, gen
 
 
