@@ -14,7 +14,8 @@ known token is x_t) and every depth d = 1..D:
   d = 1): where a greedy tree's path can reach depth d; the conditional figures count those
   rows only;
 - at T = 1 (no top-k / top-p), with target p = the target's distribution of x_{t+d} and
-  draft q = the draft's at depth d, both after the same prefix when matched:
+  draft q = the draft's at depth d, both after the same prefix when matched (p and q the
+  other way round from `tree_acceptance`'s names):
   iid[w]  = P(one of w children drawn i.i.d. from q is kept) by the multi-step rule of
             `tree_acceptance` (Children.IID): 1 - prod_i (1 - sum_x min(p_i, q)), p_1 = p,
             p_{i+1} = (p_i - q)+ normalised; iid[1] is the chain's sum_x min(p, q);
