@@ -1,7 +1,9 @@
 """Top-k agreement by depth of drafters with the embedded target, on held-out prompts.
 
     PYTHONPATH=. python tools/draft_agreement.py --prompts humaneval:16,prose:16 \\
-        --new-tokens 96 --drafts smollm2-feature,early-exit:4,early-exit:8 --json out.json
+        --new-tokens 128 --drafts smollm2-feature,early-exit:8,early-exit:16,early-exit:24 --json out.json
+
+(the run of docs/drafters.md, "Top-k agreement by depth"; these are the defaults).
 
 1. The target's greedy continuation of each prompt (chat form, `--new-tokens` at most;
    plain decoding, so the path is the target's own argmax path).
@@ -105,9 +107,9 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", default="humaneval:16,prose:16")
-    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=da.DEPTH)
-    ap.add_argument("--drafts", type=lambda s: s.split(","), default=["smollm2-feature", "early-exit:4", "early-exit:8"])
+    ap.add_argument("--drafts", type=lambda s: s.split(","), default=["smollm2-feature", "early-exit:8", "early-exit:16", "early-exit:24"])
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
