@@ -199,6 +199,7 @@ class Attention(nn.Module):
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
+        out = out.astype(x.dtype)  # a cache wider than the activations (float32) stays in it
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 
@@ -284,6 +285,12 @@ def setup_decoder(module: nn.Module) -> None:
         module.lm_head = Linear(cfg.vocab_size, use_bias=False, name="lm_head")
 
 
+def compute_dtype(params) -> jnp.dtype:
+    """The type activations are computed in: that of the float weights (the final norm's
+    scale is one, never quantized)."""
+    return params["final_norm"]["scale"].dtype
+
+
 class Transformer(nn.Module):
     """Decoder. `__call__` returns (logits [B, T, V], new cache); with `head=False` it
     returns the final-normed hidden states [B, T, D] instead (features for drafters, and
@@ -297,6 +304,8 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
         x = self.embed(tokens)
+        if not self.is_initializing():  # a quantized table's rows come in float32
+            x = x.astype(compute_dtype(self.variables["params"]))
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x, cache = run_layers(self, x, cache, cos, sin, positions, self.attention)
         hidden = self.final_norm(x)
