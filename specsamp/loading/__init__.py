@@ -257,7 +257,13 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32"
 
     def to_jax(v):
         if not isinstance(v, dict):
-            return jnp.asarray(np.asarray(v, dtype=np.dtype(dtype)))
+            v = np.asarray(v, dtype=np.dtype(dtype))
+            # A host array of our own (writeable: not a view of a mapped file) is handed
+            # over: on a CPU, device_put keeps a 64-byte aligned one as it is (no copy;
+            # `hf.read_hf` allocates so). Placed now: a pending transfer holds its host
+            # array, and every one would stay alive until the weights' first use.
+            placed = jax.device_put(v) if v.flags.writeable else jnp.asarray(v)
+            return placed.block_until_ready()
         return to_qweight(v, v["transposed"], backend)
 
     expected = Model(cfg).param_shapes()
