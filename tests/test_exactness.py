@@ -46,7 +46,8 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np
 
 
 # Each test's drafter as a draft string, built by the one factory users' drafters come from.
-DRAFTS = {"none": "none", "model": "tiny-draft", "early-exit": "early-exit:1", "ngram": "ngram",
+DRAFTS = {"none": "none", "model": "tiny-draft", "model-small-head": "tiny-draft-small-head",
+          "early-exit": "early-exit:1", "ngram": "ngram",
           "feature": "tiny-feature", "feature-reduced": "tiny-feature-reduced",
           "hybrid": "ngram+tiny-feature-reduced", "hybrid-wide": "ngram+tiny-feature-reduced"}
 WIDE = 3  # "hybrid-wide": wide lookup rounds of 3 tokens on 3-token matches (`k auto`'s)
@@ -94,6 +95,7 @@ CASES = [
     ("model", 2, 1.0, 0, 1.0),
     ("model", 3, 0.7, 4, 1.0),
     ("model", 2, 1.2, 0, 0.8),
+    ("model-small-head", 2, 1.0, 0, 1.0),  # the draft lacks ids 6, 7: they come from the residual
     ("early-exit", 2, 1.0, 3, 0.9),
     ("ngram", 2, 1.0, 0, 1.0),
     ("feature", 2, 1.0, 0, 1.0),
@@ -158,7 +160,7 @@ def test_the_statistical_check_has_power():
     assert chi_square_pvalue(counts, exact_joint(SamplingParams(1.0))) < ALPHA
 
 
-GREEDY_CASES = [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2), ("ngram", 5),
+GREEDY_CASES = [("model", 1), ("model", 4), ("model-small-head", 3), ("early-exit", 3), ("ngram", 2), ("ngram", 5),
                 ("feature", 1), ("feature", 4), ("feature-reduced", 3), ("hybrid", 1),
                 ("hybrid", 4), ("hybrid-wide", 1), ("hybrid-wide", 2)]
 

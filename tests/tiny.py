@@ -1,5 +1,6 @@
 """Tiny random model pairs shared by the engine tests (one compiled program per shape)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +22,16 @@ def target_params():
 @functools.cache
 def draft_params():
     return init_params(DRAFT, seed=12, scale=1.0)
+
+
+# A draft whose head is smaller than the target's (ids 6 and 7 missing), as some families'
+# small models pad their embedding less than the large ones.
+SMALL_HEAD_DRAFT = dataclasses.replace(DRAFT, vocab_size=6)
+
+
+@functools.cache
+def small_head_draft_params():
+    return init_params(SMALL_HEAD_DRAFT, seed=13, scale=1.0)
 
 
 def early_exit_params(n_layers=1):
@@ -54,6 +65,7 @@ def feature_draft_reduced():
 # drafters through the same factory as users (a draft string), from these in-memory weights.
 _DRAFTS = {
     "tiny-draft": lambda: ("model", DRAFT, draft_params()),
+    "tiny-draft-small-head": lambda: ("model", SMALL_HEAD_DRAFT, small_head_draft_params()),
     "tiny-feature": lambda: ("feature", *feature_draft()),
     "tiny-feature-reduced": lambda: ("feature", *feature_draft_reduced()),
 }
