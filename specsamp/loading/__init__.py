@@ -9,8 +9,8 @@ Parameters come back as jax arrays in the layout of `specsamp.models.llama.Trans
 `weights` says in which form (WEIGHTS):
 - "stored" (the default): as the file stores them. GGUF matrices in Q4_0, Q4_1 and Q8_0 stay
   in their blocks (`specsamp.quant.QWeight`), the same model at a quarter of the bytes; other
-  tensors, and Hugging Face checkpoints, are float32. Nothing is written to the cache.
-- "float32": everything dequantized to float32. A GGUF file is dequantized once and the
+  tensors, and Hugging Face checkpoints, are floats at `dtype`. Nothing is written to the cache.
+- "float32": everything dequantized (then held at `dtype`). A GGUF file is dequantized once and the
   float32 result kept in the cache (keyed by the file's sha256): reading it back is several
   times faster than parsing and dequantizing again.
 - "int8": the float32 weights rounded to int8 per output channel (weight-only): a different
@@ -54,7 +54,7 @@ _CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are i
 @dataclass(frozen=True)
 class LoadedModel:
     cfg: ModelConfig
-    params: dict  # Transformer(cfg)'s tree: float32 jax arrays or quantized QWeights
+    params: dict  # Transformer(cfg)'s tree: jax arrays at `dtype` or quantized QWeights
     tokenizer: Tokenizer
     name: str  # short id for reports: "smollm2" or the path as given
     load_seconds: float = 0.0
