@@ -122,7 +122,7 @@ def run(args) -> int:
                          log=status)
         gen = make("none", 1, samplings[0])  # already loaded: the baseline of this group
         add_traffic(rows, weights, _step_bytes(gen), stream)
-        groups.append([{**r, "kv_cache": kv_cache} for r in rows])
+        groups.append([{**r, "kv_cache": gen.engine.prog.kv_cache} for r in rows])  # 'auto' resolved
     for rows in groups:
         _print(rows, args.json, lambda rs: traffic_line(rs) + "\n" + format_table(rs))
     return 0
@@ -179,7 +179,10 @@ def run_throughput_command(args) -> int:
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status, machine=machine, repeats=repeats)
-        rows += [{**r, "weights": weights, "kv_cache": kv_cache} for r in group]
+        from specsamp.decoding.config import resolve_kv_cache
+
+        resolved = resolve_kv_cache(kv_cache, load("none", 1).target.dtype)  # loaded already
+        rows += [{**r, "weights": weights, "kv_cache": resolved} for r in group]
     return _print(rows, args.json, _throughput_tables)
 
 
