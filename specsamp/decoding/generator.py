@@ -105,10 +105,10 @@ def load_model_once(spec: str | None, weights: str = "stored", mesh=None, dtype:
     key = (spec or DEFAULT_MODEL, weights, dtype, mesh)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            if mesh is None:
-                _MODELS[key] = load_model(spec, weights, dtype)
+            base = _MODELS.get(key[:3] + (None,))
+            if mesh is None or base is None:  # placed (and split) as it is read
+                _MODELS[key] = load_model(spec, weights, dtype, mesh)
             else:
-                base = _MODELS.get(key[:3] + (None,)) or load_model(spec, weights, dtype)
                 params = Model(base.cfg, mesh).shard_params(base.params)
                 _MODELS[key] = dataclasses.replace(base, params=params)
         return _MODELS[key]

@@ -92,10 +92,12 @@ def resolve_dtype(dtype: str, stored: str | None) -> str:
     return "bfloat16" if on_accelerator and stored in ("bfloat16", "float16") else "float32"
 
 
-def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "auto") -> LoadedModel:
+def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "auto",
+               mesh=None) -> LoadedModel:
     """The model named by `spec`: None or "smollm2" (the embedded default), or a local path
     or URL of a .gguf file or of a Hugging Face folder; weights as `weights` says, float
-    weights at `dtype`."""
+    weights at `dtype`; with a tensor-parallel mesh, each weight placed split over it as
+    it is converted (`Model.shard_params`' placement)."""
     start = time.perf_counter()
     name = spec or DEFAULT_MODEL
     stored = check_weights(weights) == "stored"
@@ -111,7 +113,7 @@ def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "a
     dtype = resolve_dtype(dtype, stored_as)
     if weights == "int8":
         flat = _int8(flat)
-    params = _to_jax_tree(flat, cfg, name, dtype)
+    params = _to_jax_tree(flat, cfg, name, dtype, mesh)
     return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start, weights, dtype)
 
 
@@ -233,7 +235,8 @@ def _read_converted(folder):
     return ModelConfig(**saved["config"]), load_file(folder / "params.safetensors"), tokenizer
 
 
-def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32") -> dict:
+def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32",
+                 mesh=None) -> dict:
     """Nest {"a/b/c": array} into the Transformer's parameter tree, float arrays as jax
     arrays at `dtype`, after checking every shape against the model built from `cfg` (a
     checkpoint whose config disagrees with its weights is refused here rather than failing
@@ -255,7 +258,13 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32"
         rows, cols = v["codes"].shape[-2], block_bits(v)[1] * v["scale"].shape[-1]
         return tuple(v["codes"].shape[:-2]) + ((cols, rows) if v["transposed"] else (rows, cols))
 
-    def to_jax(v):
+    def to_jax(key, v):
+        if mesh is not None:
+            from specsamp.models.sharding import place_leaf
+
+            v = v if isinstance(v, dict) else np.asarray(v, dtype=np.dtype(dtype))
+            leaf = to_qweight(v, v["transposed"], "xla") if isinstance(v, dict) else v
+            return jax.block_until_ready(place_leaf(cfg, tuple(key.split("/")), leaf, mesh))
         if not isinstance(v, dict):
             v = np.asarray(v, dtype=np.dtype(dtype))
             # A host array of our own (writeable: not a view of a mapped file) is handed
@@ -279,5 +288,5 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32"
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = to_jax(flat.pop(key))
+        node[leaf] = to_jax(key, flat.pop(key))
     return tree
