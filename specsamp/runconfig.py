@@ -89,7 +89,8 @@ class RunConfig:
     workers: Workers = Workers()
     weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
     tensor_parallel: int = 1  # split the target over each worker's first N devices
-    kv_cache: str = "float32"  # float32 | float16: what the target's KV cache holds
+    kv_cache: str = "auto"  # auto (the dtype's) | float32 | float16 | bfloat16: the target's KV cache
+    dtype: str = "auto"  # auto | float32 | bfloat16 (specsamp.loading.DTYPES): weights and activations
     runner: str | None = None  # local | dask | dataflow when --runner is not given (not in the hash)
 
     @property
@@ -107,6 +108,12 @@ class RunConfig:
         full = dataclasses.asdict(self)
         body = {k: full[k] for k in keys}
         body["target"] = self.target_name
+        # Configs from before `dtype` keep their hash: the defaults hash as they did then
+        # (a float32 cache), and dtype joins only when set.
+        if self.kv_cache == "auto":
+            body["kv_cache"] = "float32" if self.dtype == "auto" else self.dtype
+        if self.dtype != "auto":
+            body["dtype"] = self.dtype
         blob = json.dumps(body, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -259,6 +266,10 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
         fail(f"'kv_cache' must be one of {', '.join(KV_CACHES)}, got {cfg.kv_cache!r}")
     if cfg.runner not in (None,) + RUNNERS:
         fail(f"'runner' must be one of {', '.join(RUNNERS)} (or left out: --runner decides), got {cfg.runner!r}")
+    from specsamp.loading import DTYPES
+
+    if cfg.dtype not in DTYPES:
+        fail(f"'dtype' must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     w = cfg.workers
     if not isinstance(w.share_model_across_processes, bool):
         fail("workers.share_model_across_processes must be true or false")

@@ -9,9 +9,11 @@ with different depths) share a vocabulary. Ids: 0 <|endoftext|>, 1 <|im_start|> 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 
+import ml_dtypes
 import numpy as np
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -278,3 +280,91 @@ def _write_gguf_metadata(writer, c: dict, folder: str) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
+
+
+# --- bfloat16 checkpoints of a real model's shape (loading at scale) ---------------------
+
+_ROWS = 8192  # rows generated at a time
+
+
+def _llama_shapes(vocab, d, layers, heads, kv_heads, head_dim, ff, tied) -> dict:
+    """HF name -> shape, in the order written."""
+    shapes = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, d),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, d),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, d),
+            p + "self_attn.o_proj.weight": (d, heads * head_dim),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+        })
+    shapes["model.norm.weight"] = (d,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+def _write_tensor(f, name: str, shape, rng) -> None:
+    if len(shape) == 1:  # norm scales near 1
+        f.write((1 + 0.05 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16).tobytes())
+        return
+    std = 1 / math.sqrt(shape[1])  # outputs of unit scale: logits neither flat nor huge
+    for start in range(0, shape[0], _ROWS):
+        rows = min(_ROWS, shape[0] - start)
+        block = rng.standard_normal((rows, shape[1]), np.float32) * std
+        f.write(block.astype(ml_dtypes.bfloat16).tobytes())
+
+
+def _write_shard(path: str, shapes: dict, rng) -> None:
+    """One safetensors file of bfloat16 tensors, written as they are generated."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, shape in shapes.items():
+            _write_tensor(f, name, shape, rng)
+
+
+def write_bf16_checkpoint(path: str, vocab: int = 4096, d: int = 256, layers: int = 4,
+                          heads: int = 8, kv_heads: int = 2, head_dim: int = 32, ff: int = 512,
+                          tied: bool = True, shards: int = 2, seed: int = 0) -> int:
+    """A Llama-shaped Hugging Face folder in bfloat16 at `path` (random weights, the tiny
+    tokenizer; the embedding padded to `vocab` rows), in `shards` shards written tensor by
+    tensor as generated (little memory at any size). Returns the parameter count."""
+    os.makedirs(path, exist_ok=True)
+    shapes = _llama_shapes(vocab, d, layers, heads, kv_heads, head_dim, ff, tied)
+    names = list(shapes)
+    per = -(-len(names) // shards)
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for i in range(shards):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: shapes[n] for n in names[i * per:(i + 1) * per]}
+        _write_shard(os.path.join(path, shard), part, rng)
+        weight_map.update({n: shard for n in part})
+    total = sum(math.prod(s) for s in shapes.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total * 2}, "weight_map": weight_map}, f, indent=1)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": d, "intermediate_size": ff, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": tied, "bos_token_id": 1,
+        "eos_token_id": 2, "torch_dtype": "bfloat16",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    write_tiny_tokenizer(path)
+    return total

@@ -147,10 +147,41 @@ def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
     return lowered.compile().as_text()
 
 
+def load() -> dict:
+    """For each checkpoint form and device count: does loading onto the mesh (each weight
+    split as it is read) give the arrays, and the shardings, of loading on one device and
+    then splitting? A Hugging Face folder (bfloat16 and float32) and a Q8_0 GGUF (stored
+    blocks)."""
+    import os
+    import tempfile
+
+    from specsamp.loading import load_model
+    from specsamp.testing import make_tiny_checkpoint, write_gguf
+
+    tmp = tempfile.mkdtemp()
+    os.environ["SPECSAMP_CACHE"] = os.path.join(tmp, "cache")
+    folder = make_tiny_checkpoint(os.path.join(tmp, "hf"), tied=False, qkv_bias=True)
+    gguf = write_gguf(folder, os.path.join(tmp, "m.gguf"), "Q8_0")
+    out = {}
+    for case, path, dtype in (("hf-bf16", folder, "bfloat16"), ("hf-f32", folder, "float32"),
+                              ("gguf-q8", gguf, "float32")):
+        for n in (2, 4):
+            mesh = make_mesh(n)
+            direct = load_model(path, dtype=dtype, mesh=mesh)
+            base = load_model(path, dtype=dtype)
+            split = Model(base.cfg, mesh).shard_params(base.params)
+            a, b = jax.tree.leaves(direct.params), jax.tree.leaves(split)
+            out[f"{case}/{n}"] = len(a) == len(b) and all(
+                x.dtype == y.dtype and x.sharding == y.sharding
+                and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+    return out
+
+
 if __name__ == "__main__":
     from specsamp.compilation import enable_compilation_cache
 
     enable_compilation_cache()
     assert len(jax.devices()) >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    checks = {"greedy": greedy, "sampled": sampled, "collectives": collectives, "pipeline": pipeline}
+    checks = {"greedy": greedy, "sampled": sampled, "collectives": collectives, "pipeline": pipeline,
+              "load": load}
     print(json.dumps({name: checks[name]() for name in sys.argv[1:]}, default=float))

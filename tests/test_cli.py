@@ -26,6 +26,8 @@ CASES = [
     (["bench", "--weights", "stored,fp8"], "weights must be among"),
     (["generate", "--prompt", "hi", "--kv-cache", "int8"], "kv cache must be among"),
     (["bench", "--throughput", "--kv-cache", "float32,x"], "kv cache must be among"),
+    (["generate", "--prompt", "hi", "--dtype", "float16"], "dtype must be among"),
+    (["bench", "--dtype", "bfloat16,float32"], "one dtype value here"),
 ]
 
 
@@ -59,6 +61,7 @@ def test_vocab_mismatch_is_one_line(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "vocab" in errors[0].lower(), out.stderr
+    assert f"token 100 is {a!r} in the target, {b!r} in the draft" in errors[0], out.stderr
 
 
 def test_generate_json_on_tiny_model(tmp_path):
@@ -111,3 +114,26 @@ def test_rounds_at_k_counts_plain_rounds():
     assert rounds_at_k({"drafted_per_loop": [4, 4], "target_calls": 2}) == {4: 2}
 
 
+
+
+@pytest.mark.parametrize("spoil,message", [("truncate", "truncated: tensor"),
+                                           ("remove", "has no model-00002-of-00002.safetensors")])
+def test_broken_checkpoint_is_one_line(spoil, message, tmp_path):
+    """A truncated or missing shard of a bfloat16 checkpoint: one line, exit 2, and nothing
+    left in the model cache."""
+    import os
+
+    from specsamp.testing import write_bf16_checkpoint
+
+    folder = str(tmp_path / "bf16")
+    write_bf16_checkpoint(folder, vocab=320, d=64, layers=2, heads=2, kv_heads=1, head_dim=32, ff=96)
+    shard = os.path.join(folder, "model-00002-of-00002.safetensors")
+    if spoil == "truncate":
+        os.truncate(shard, os.path.getsize(shard) - 64)
+    else:
+        os.remove(shard)
+    out = _cli(["generate", "--prompt", "hi", "--target", folder, "--dtype", "bfloat16"], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert not any(files for _, _, files in os.walk(tmp_path / "cache")), "half-written cache"

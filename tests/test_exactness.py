@@ -25,9 +25,9 @@ N_SAMPLES = 24_000
 N_TOKENS = 3
 
 
-def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under the target, by full forward passes over all prefixes
-    (XLA's attention, over keys and values rounded to the cache's type)."""
+def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) under the target at `dtype`, by full forward passes over all
+    prefixes (XLA's attention, over keys and values rounded to the cache's type)."""
     from specsamp.decoding.sampling import probs_from_logits
 
     v = tiny.TARGET.vocab_size
@@ -35,7 +35,7 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32) -> np.ndarray:
     b, t = seqs.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     logits, _ = Transformer(tiny.TARGET).apply(
-        {"params": tiny.target_params()}, jnp.asarray(seqs), positions,
+        {"params": tiny.at_dtype(tiny.target_params(), dtype)}, jnp.asarray(seqs), positions,
         init_cache(tiny.TARGET, b, t, kv_dtype))
     probs = np.asarray(probs_from_logits(logits, sp), np.float64)
     n = len(PROMPT)
@@ -46,18 +46,22 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32) -> np.ndarray:
 
 
 # Each test's drafter as a draft string, built by the one factory users' drafters come from.
-DRAFTS = {"none": "none", "model": "tiny-draft", "early-exit": "early-exit:1", "ngram": "ngram",
+DRAFTS = {"none": "none", "model": "tiny-draft", "model-small-head": "tiny-draft-small-head",
+          "early-exit": "early-exit:1", "ngram": "ngram",
           "feature": "tiny-feature", "feature-reduced": "tiny-feature-reduced",
           "hybrid": "ngram+tiny-feature-reduced", "hybrid-wide": "ngram+tiny-feature-reduced"}
 WIDE = 3  # "hybrid-wide": wide lookup rounds of 3 tokens on 3-token matches (`k auto`'s)
 
 
-def make_engine(sp, drafter_kind, k, max_new=N_TOKENS, kv_cache="float32"):
+def make_engine(sp, drafter_kind, k, max_new=N_TOKENS, kv_cache="float32", dtype="float32"):
+    """An engine on the tiny target with its weights (and a draft model's) at `dtype`."""
     drafter, draft_params = tiny.drafter(DRAFTS[drafter_kind], k, sp,
-                                         wide=WIDE if drafter_kind == "hybrid-wide" else 0)
+                                         wide=WIDE if drafter_kind == "hybrid-wide" else 0,
+                                         dtype=dtype)
     if drafter_kind.startswith("hybrid"):  # the factory's hybrid looks up 2-grams and longer only
         assert drafter.ngram.min_ngram == 2
-    return Engine(Program(tiny.TARGET, sp, drafter, kv_cache), tiny.target_params(), draft_params,
+    return Engine(Program(tiny.TARGET, sp, drafter, kv_cache),
+                  tiny.at_dtype(tiny.target_params(), dtype), draft_params,
                   eos_ids=(), max_new_tokens=max_new)
 
 
@@ -91,6 +95,7 @@ CASES = [
     ("model", 2, 1.0, 0, 1.0),
     ("model", 3, 0.7, 4, 1.0),
     ("model", 2, 1.2, 0, 0.8),
+    ("model-small-head", 2, 1.0, 0, 1.0),  # the draft lacks ids 6, 7: they come from the residual
     ("early-exit", 2, 1.0, 3, 0.9),
     ("ngram", 2, 1.0, 0, 1.0),
     ("feature", 2, 1.0, 0, 1.0),
@@ -128,6 +133,26 @@ def test_float16_cache_distribution_matches_its_target():
     assert 0.0 < acceptance < 1.0
 
 
+@pytest.mark.parametrize("drafter,k,temperature,top_k,top_p", [
+    ("model", 2, 1.0, 0, 1.0), ("early-exit", 2, 1.0, 3, 0.9)])
+def test_bfloat16_distribution_matches_its_target(drafter, k, temperature, top_k, top_p):
+    """With bfloat16 weights, activations and KV cache, speculative samples follow the
+    bfloat16 model's joint (probabilities in float32 from its logits). (The bfloat16 and
+    float32 models are close, so the check alone would pass on a float32 run: the types
+    the run computes in are checked as well.)"""
+    from specsamp.models.llama import compute_dtype
+
+    sp = SamplingParams(temperature, top_k, top_p)
+    engine = make_engine(sp, drafter, k, kv_cache="bfloat16", dtype="bfloat16")
+    state = new_state(engine.prog, jnp.asarray([PROMPT]), jnp.asarray([len(PROMPT)]), N_TOKENS,
+                      jnp.zeros((1,), jnp.uint32), 16)
+    assert state.target_cache.k.dtype == state.draft.k.dtype == jnp.bfloat16
+    assert compute_dtype(engine.target_params) == compute_dtype(engine.draft_params) == jnp.bfloat16
+    counts, acceptance = sample_counts(engine)
+    assert chi_square_pvalue(counts, exact_joint(sp, jnp.bfloat16, "bfloat16")) > ALPHA
+    assert 0.0 < acceptance < 1.0
+
+
 def test_the_statistical_check_has_power():
     """A sampler from a slightly different distribution (temperature 1.1 instead of 1.0)
     must fail the same check: the test above can fail."""
@@ -135,19 +160,22 @@ def test_the_statistical_check_has_power():
     assert chi_square_pvalue(counts, exact_joint(SamplingParams(1.0))) < ALPHA
 
 
-GREEDY_CASES = [("model", 1), ("model", 4), ("early-exit", 3), ("ngram", 2), ("ngram", 5),
+GREEDY_CASES = [("model", 1), ("model", 4), ("model-small-head", 3), ("early-exit", 3), ("ngram", 2), ("ngram", 5),
                 ("feature", 1), ("feature", 4), ("feature-reduced", 3), ("hybrid", 1),
                 ("hybrid", 4), ("hybrid-wide", 1), ("hybrid-wide", 2)]
 
 
-# with a float16 KV cache too (both engines on it), for two of the drafters
-@pytest.mark.parametrize("drafter,k,kv_cache", [(d, k, "float32") for d, k in GREEDY_CASES]
-                         + [("model", 4, "float16"), ("hybrid-wide", 2, "float16")])
-def test_greedy_speculative_equals_greedy_autoregressive(drafter, k, kv_cache):
+# with a float16 KV cache too (both engines on it), for two of the drafters; and in
+# bfloat16 (weights, activations and cache) for four
+@pytest.mark.parametrize("drafter,k,kv_cache,dtype", [(d, k, "float32", "float32") for d, k in GREEDY_CASES]
+                         + [("model", 4, "float16", "float32"), ("hybrid-wide", 2, "float16", "float32")]
+                         + [(d, k, "bfloat16", "bfloat16") for d, k in
+                            [("model", 4), ("early-exit", 3), ("ngram", 2), ("hybrid-wide", 2)]])
+def test_greedy_speculative_equals_greedy_autoregressive(drafter, k, kv_cache, dtype):
     sp = SamplingParams(0.0)
     prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
-    ar = make_engine(sp, "none", 1, max_new=24, kv_cache=kv_cache).run(prompts, [0, 1, 2, 3])
-    spec = make_engine(sp, drafter, k, max_new=24, kv_cache=kv_cache).run(prompts, [0, 1, 2, 3])
+    ar = make_engine(sp, "none", 1, max_new=24, kv_cache=kv_cache, dtype=dtype).run(prompts, [0, 1, 2, 3])
+    spec = make_engine(sp, drafter, k, max_new=24, kv_cache=kv_cache, dtype=dtype).run(prompts, [0, 1, 2, 3])
     for a, s in zip(ar, spec):
         assert s.token_ids == a.token_ids
         assert len(s.token_ids) == 24 and s.stop_reason == "max_tokens"

@@ -65,7 +65,8 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"workers": {"model_copies": 0}}, "model_copies"),
     ({"workers": {"gpus": 1}}, "workers"),
     ({"weights": "fp8"}, "weights"),
-    ({"kv_cache": "bfloat16"}, "kv_cache"),
+    ({"kv_cache": "int8"}, "kv_cache"),
+    ({"dtype": "float16"}, "dtype"),
 ])
 def test_mistakes_are_user_errors(changes, words):
     with pytest.raises(UserError, match=words) as error:
@@ -90,9 +91,19 @@ def test_hash_covers_what_changes_samples_only():
     assert a.config_hash() == make(output="elsewhere", limit=3, input="q.parquet", batch_size=4).config_hash()
     for changes in ({"seed": 1}, {"max_new_tokens": 64}, {"sampling": {"temperature": 1.0}},
                     {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."},
-                    {"weights": "float32"}, {"kv_cache": "float16"}):
+                    {"weights": "float32"}, {"kv_cache": "float16"}, {"dtype": "bfloat16"},
+                    {"dtype": "bfloat16", "kv_cache": "float32"}):
         assert make(**changes).config_hash() != a.config_hash(), changes
     assert make(target="smollm2").config_hash() == a.config_hash()  # the default, spelled out
+
+
+def test_configs_from_before_dtype_keep_their_hash():
+    """Catches a dtype or kv_cache default that changes the hash of existing runs (their
+    outputs would no longer be resumed): the hashes are those the version before `dtype`
+    gave for the same configs."""
+    assert make().config_hash() == "9618a6b44bc7b955"
+    assert make(kv_cache="float16").config_hash() == "49c326d3ec875887"
+    assert make(kv_cache="float32").config_hash() == make().config_hash()
 
 
 def test_frozen_and_overrides_revalidate():
@@ -127,11 +138,13 @@ def test_k_auto_is_a_setting_of_its_own(tmp_path):
 
 
 def test_kv_cache_reaches_the_generator():
-    """kv_cache: float16 in a run config builds generators with a float16 cache (the
-    handler passes it on); the default stays float32."""
+    """kv_cache: float16 and dtype: bfloat16 in a run config reach the generators (the
+    handler passes them on); the defaults stay 'auto' (float32 on a CPU)."""
     from pipelines.handler import generator_spec
 
     cfg = make(kv_cache="float16")
     assert cfg.kv_cache == "float16"
     assert {generator_spec(cfg, s).kv_cache for s in cfg.settings} == {"float16"}
-    assert {generator_spec(make(), s).kv_cache for s in make().settings} == {"float32"}
+    assert {generator_spec(make(), s).kv_cache for s in make().settings} == {"auto"}
+    cfg = make(dtype="bfloat16")
+    assert {generator_spec(cfg, s).dtype for s in cfg.settings} == {"bfloat16"}

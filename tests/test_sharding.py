@@ -22,10 +22,19 @@ def checks():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharded_checks", "greedy", "sampled", "collectives", "pipeline"],
+        [sys.executable, "-m", "tests.sharded_checks", "greedy", "sampled", "collectives", "pipeline",
+         "load"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_weights_are_split_as_they_load(checks):
+    """Catches placement at load that differs from splitting a loaded model (another
+    split, another dtype, a quantized weight left on the native path or its fields split
+    apart): loading onto 2 and 4 devices gives the same arrays and shardings, for a
+    bfloat16 and a float32 Hugging Face load and stored GGUF blocks."""
+    assert checks["load"] and all(checks["load"].values()), checks["load"]
 
 
 def test_greedy_tokens_identical_on_1_2_4_8_devices(checks):

@@ -1,5 +1,6 @@
 """Tiny random model pairs shared by the engine tests (one compiled program per shape)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +22,16 @@ def target_params():
 @functools.cache
 def draft_params():
     return init_params(DRAFT, seed=12, scale=1.0)
+
+
+# A draft whose head is smaller than the target's (ids 6 and 7 missing), as some families'
+# small models pad their embedding less than the large ones.
+SMALL_HEAD_DRAFT = dataclasses.replace(DRAFT, vocab_size=6)
+
+
+@functools.cache
+def small_head_draft_params():
+    return init_params(SMALL_HEAD_DRAFT, seed=13, scale=1.0)
 
 
 def early_exit_params(n_layers=1):
@@ -54,22 +65,36 @@ def feature_draft_reduced():
 # drafters through the same factory as users (a draft string), from these in-memory weights.
 _DRAFTS = {
     "tiny-draft": lambda: ("model", DRAFT, draft_params()),
+    "tiny-draft-small-head": lambda: ("model", SMALL_HEAD_DRAFT, small_head_draft_params()),
     "tiny-feature": lambda: ("feature", *feature_draft()),
     "tiny-feature-reduced": lambda: ("feature", *feature_draft_reduced()),
 }
 
 
-def load_draft(path: str, feature_only: bool = False):
+def load_draft(path: str, feature_only: bool = False, dtype: str = "float32"):
+    """A draft by name; a draft model's weights at `dtype` (as the generator loads a draft
+    at the target's dtype), a feature draft's as they are."""
     from specsamp.decoding.factory import DraftWeights
 
-    return DraftWeights(*_DRAFTS[path]())
+    kind, cfg, params = _DRAFTS[path]()
+    return DraftWeights(kind, cfg, at_dtype(params, dtype) if kind == "model" else params)
 
 
-def drafter(draft: str, k: int, sp, mesh=None, target_params_=None, wide: int = 0):
+def at_dtype(params, dtype: str):
+    """A parameter tree with its float arrays at `dtype` (what `load_model(dtype=...)` gives);
+    float32: the tree itself."""
+    return params if dtype == "float32" else jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def drafter(draft: str, k: int, sp, mesh=None, target_params_=None, wide: int = 0,
+            dtype: str = "float32"):
     """(drafter, draft params) for a draft string on TARGET: 'ngram', 'early-exit:1',
     'tiny-draft', 'tiny-feature', 'ngram+tiny-feature-reduced', ... (wide: a hybrid's wide
-    lookup rounds, as `k auto` builds it)."""
+    lookup rounds, as `k auto` builds it; dtype: a draft model's and the target's floats)."""
+    import functools
+
     from specsamp.decoding.factory import build_drafter
 
     params = target_params() if target_params_ is None else target_params_
-    return build_drafter(draft, k, sp, TARGET, params, load_draft, mesh, wide=wide)
+    return build_drafter(draft, k, sp, TARGET, at_dtype(params, dtype),
+                         functools.partial(load_draft, dtype=dtype), mesh, wide=wide)

@@ -39,7 +39,7 @@ def run(args) -> int:
         raise UserError("audit checks a drafter against the target: give --draft other than none")
     sp = sampling_from(args)
     common = dict(target=args.target, sampling=sp, max_new_tokens=args.positions, weights=args.weights,
-                  kv_cache=args.kv_cache, chat=args.chat, batch_size=min(args.batch_size, args.samples))
+                  kv_cache=args.kv_cache, dtype=args.dtype, chat=args.chat, batch_size=min(args.batch_size, args.samples))
     status(f"loading models; drawing {args.samples} speculative and {args.samples} "
            f"autoregressive samples of {args.positions} tokens ...")
     spec_gen = load_generator(GeneratorSpec(draft=args.draft, k=args.k, **common))

@@ -6,7 +6,7 @@ import argparse
 import itertools
 
 from specsamp.commands.common import (
-    add_kv_cache_arg, add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
+    add_dtype_arg, add_kv_cache_arg, add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
 )
 from specsamp.errors import UserError
 
@@ -46,6 +46,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per setting and line")
     add_weights_arg(p, many=True)
+    add_dtype_arg(p)
     add_kv_cache_arg(p, many=True)
     p.add_argument("--throughput", action="store_true",
                    help="tokens/s of a batch job per batch size, K and batching (EOS on)")
@@ -101,7 +102,8 @@ def run(args) -> int:
         def make(draft, k, sp):
             spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
                                  max_new_tokens=args.max_new_tokens, weights=weights,
-                                 tensor_parallel=args.tensor_parallel, kv_cache=kv_cache)
+                                 tensor_parallel=args.tensor_parallel, kv_cache=kv_cache,
+                                 dtype=args.dtype)
             if not loaded:
                 status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
             gen = load_generator(spec)
@@ -120,7 +122,7 @@ def run(args) -> int:
                          log=status)
         gen = make("none", 1, samplings[0])  # already loaded: the baseline of this group
         add_traffic(rows, weights, _step_bytes(gen), stream)
-        groups.append([{**r, "kv_cache": kv_cache} for r in rows])
+        groups.append([{**r, "kv_cache": gen.engine.prog.kv_cache} for r in rows])  # 'auto' resolved
     for rows in groups:
         _print(rows, args.json, lambda rs: traffic_line(rs) + "\n" + format_table(rs))
     return 0
@@ -172,11 +174,15 @@ def run_throughput_command(args) -> int:
             return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
                                                 chat=chat, max_new_tokens=args.max_new_tokens,
                                                 weights=weights, kv_cache=kv_cache,
-                                                tensor_parallel=args.tensor_parallel))
+                                                tensor_parallel=args.tensor_parallel,
+                                                dtype=args.dtype))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status, machine=machine, repeats=repeats)
-        rows += [{**r, "weights": weights, "kv_cache": kv_cache} for r in group]
+        from specsamp.decoding.config import resolve_kv_cache
+
+        resolved = resolve_kv_cache(kv_cache, load("none", 1).target.dtype)  # loaded already
+        rows += [{**r, "weights": weights, "kv_cache": resolved} for r in group]
     return _print(rows, args.json, _throughput_tables)
 
 

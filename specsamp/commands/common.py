@@ -22,6 +22,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per loop (default 4), or 'auto': chosen per chunk of rounds "
                         "from measured costs and running acceptance")
     add_weights_arg(g)
+    add_dtype_arg(g)
     add_kv_cache_arg(g)
 
 
@@ -60,10 +61,24 @@ def _weights():
     return WEIGHTS
 
 
+def _dtypes():
+    from specsamp.loading import DTYPES
+
+    return DTYPES
+
+
+def add_dtype_arg(g) -> None:
+    _choice_arg(g, "--dtype", False, _dtypes, "auto", "dtype",
+                "what the float weights, activations and KV cache are computed in: 'float32', "
+                "'bfloat16', or 'auto' (default): float32 on a CPU; on an accelerator bfloat16 "
+                "for a Hugging Face checkpoint stored in bfloat16 or float16, else float32. "
+                "Probabilities are always computed in float32 from the logits", "")
+
+
 def add_kv_cache_arg(g, many: bool = False) -> None:
-    what = ("'float32' (default) or 'float16' (half the memory and faster attention at large "
-            "batches; keys and values rounded to half)")
-    _choice_arg(g, "--kv-cache", many, _kv_caches, "float32", "kv cache",
+    what = ("'auto' (default: the run's --dtype), 'float32', 'float16' (half the memory and "
+            "faster attention at large batches; keys and values rounded to half) or 'bfloat16'")
+    _choice_arg(g, "--kv-cache", many, _kv_caches, "auto", "kv cache",
                 "what the target's KV cache holds: " + what, "KV cache types, e.g. float32,float16: " + what)
 
 
@@ -120,6 +135,7 @@ def spec_from(args, draft: str | None = None, k: int | None = None, sampling=Non
         max_new_tokens=args.max_new_tokens,
         weights=args.weights,
         kv_cache=args.kv_cache,
+        dtype=args.dtype,
         **extra,
     )
 

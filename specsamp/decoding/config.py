@@ -51,17 +51,25 @@ def check_k(k: int) -> int:
     return k
 
 
-# What the target's KV cache holds: float32, or float16 (half the memory; at batch 32 the
-# cache attention is bound by reading it, `docs/throughput.md`). Keys and values are
-# rounded to the cache's type when written; every sample depends on it as on the weights,
-# and speculative and plain sampling with the same cache give the same outputs.
-KV_CACHES = ("float32", "float16")
+# What the target's KV cache holds: "auto" (the run's dtype, `specsamp.loading.DTYPES`:
+# float32 unless the model runs in bfloat16), float32, float16 (half the memory; at batch
+# 32 the cache attention is bound by reading it, `docs/throughput.md`) or bfloat16. Keys
+# and values are rounded to the cache's type when written; every sample depends on it as
+# on the weights, and speculative and plain sampling with the same cache give the same
+# outputs. The native attention kernel reads float32 and float16 caches; a bfloat16 cache
+# runs XLA's attention (`specsamp.models.model.cache_attention`).
+KV_CACHES = ("auto", "float32", "float16", "bfloat16")
 
 
 def check_kv_cache(kv_cache: str) -> str:
     if kv_cache not in KV_CACHES:
         raise UserError(f"kv cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     return kv_cache
+
+
+def resolve_kv_cache(kv_cache: str, dtype: str) -> str:
+    """The cache's type for a model run at `dtype` (a resolved `loading.DTYPES` entry)."""
+    return dtype if check_kv_cache(kv_cache) == "auto" else kv_cache
 
 
 def check_max_new_tokens(n: int) -> int:

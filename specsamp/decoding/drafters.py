@@ -97,13 +97,20 @@ class ModelDrafter:
     k: int
     sampling: SamplingParams
     kind: str = "model"  # 'model' or 'early-exit' (only for names and statistics)
+    cache_dtype: str = "float32"  # its KV cache's type: that of its weights
+    # The target's vocabulary size when the draft's head is smaller (a family whose larger
+    # models pad their embedding further): the draft's logits are padded to it with the
+    # least float, so the ids it lacks have draft probability 0 (never drafted; the
+    # rejection rule's residual gives them the target's own mass). None: the same size.
+    vocab_size: int | None = None
 
     @property
     def uses_cache(self) -> bool:
         return True
 
     def init_state(self, batch: int, slots: int) -> KVCache:
-        return init_cache(self.cfg, batch, slots)  # the draft model's own KV cache
+        # the draft model's own KV cache
+        return init_cache(self.cfg, batch, slots, jnp.dtype(self.cache_dtype))
 
     def observe(self, cache, hidden, start):
         return cache
@@ -115,7 +122,12 @@ class ModelDrafter:
 
     def forward(self, params, tokens, positions, cache):
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
-        return Model(self.cfg).forward(params, tokens, positions, cache)
+        logits, cache = Model(self.cfg).forward(params, tokens, positions, cache)
+        missing = (self.vocab_size or self.cfg.vocab_size) - self.cfg.vocab_size
+        if missing > 0:
+            logits = jnp.pad(logits, ((0, 0), (0, 0), (0, missing)),
+                             constant_values=jnp.finfo(jnp.float32).min)
+        return logits, cache
 
     def with_k(self, k: int) -> "ModelDrafter":
         return dataclasses.replace(self, k=k)

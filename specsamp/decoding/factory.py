@@ -62,7 +62,8 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
         if arg >= target_cfg.n_layers:
             raise UserError(f"early-exit:{arg} needs fewer layers than the target's {target_cfg.n_layers}")
         model, params = Model(target_cfg, mesh).first_layers(target_params, arg)
-        return ModelDrafter(model.cfg, k, sampling, kind="early-exit"), params
+        return ModelDrafter(model.cfg, k, sampling, kind="early-exit",
+                            cache_dtype=_dtype_name(params)), params
     if kind == "hybrid":
         n, path = arg
         weights = load(path, True)
@@ -76,9 +77,28 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
                                 NgramDrafter(wide, target_cfg.vocab_size, n, min_ngram=n) if wide else None)
     else:
         weights = load(arg, False)
-        make = FeatureDrafter if weights.kind == "feature" else ModelDrafter
-        drafter = make(weights.cfg, k, sampling)
+        if weights.kind == "feature":
+            drafter = FeatureDrafter(weights.cfg, k, sampling)
+        else:
+            drafter = ModelDrafter(weights.cfg, k, sampling, cache_dtype=_dtype_name(weights.params),
+                                   vocab_size=_padded_vocab(weights.cfg, target_cfg))
     return drafter, _replicated(weights.params, mesh)
+
+
+def _dtype_name(params) -> str:
+    from specsamp.models.llama import compute_dtype
+
+    return compute_dtype(params).name
+
+
+def _padded_vocab(draft: ModelConfig, target: ModelConfig) -> int | None:
+    """The size a draft model's logits are padded to: the target's, when the draft's head
+    is smaller (`ModelDrafter.vocab_size`). A larger draft head is refused: its extra ids
+    exist in neither tokenizer's vocabulary for the target."""
+    if draft.vocab_size > target.vocab_size:
+        raise UserError(f"the draft's head has {draft.vocab_size} rows, more than the target's "
+                        f"{target.vocab_size}; pick a draft from the target's family")
+    return target.vocab_size if draft.vocab_size < target.vocab_size else None
 
 
 def _not_feature(path: str) -> UserError:

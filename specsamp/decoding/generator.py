@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import jax
 
 from specsamp.decoding.config import (
-    SamplingParams, check_k, check_kv_cache, check_max_new_tokens, parse_draft, seed_for,
+    SamplingParams, check_k, check_kv_cache, check_max_new_tokens, parse_draft, resolve_kv_cache,
+    seed_for,
 )
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
@@ -36,9 +37,12 @@ class GeneratorSpec:
     a feature draft (or a shipped draft's name, `specsamp.decoding.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
     weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
-    `specsamp.loading`), for the target and a separate draft model alike. kv_cache: what
-    the target's KV cache holds, 'float32' or 'float16' (half the memory, faster attention
-    at large batches; keys and values rounded to half, a slightly different model).
+    `specsamp.loading`), for the target and a separate draft model alike. dtype: the float
+    weights' and activations' type, 'float32', 'bfloat16' or 'auto' (`specsamp.loading.
+    DTYPES`: float32 on a CPU); a draft model runs at the target's. kv_cache: what the
+    target's KV cache holds, 'auto' (the run's dtype), 'float32', 'float16' (half the
+    memory, faster attention at large batches; keys and values rounded to half, a slightly
+    different model) or 'bfloat16'.
     tensor_parallel: split the target over this many of the worker's devices
     (`specsamp.models.sharding`); the draft runs on the same devices, replicated (an
     early-exit draft shares the target's split weights)."""
@@ -58,7 +62,8 @@ class GeneratorSpec:
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
     tensor_parallel: int = 1
-    kv_cache: str = "float32"
+    kv_cache: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self):
         if self.k != K_AUTO:
@@ -71,9 +76,10 @@ class GeneratorSpec:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         parse_draft(self.draft)
-        from specsamp.loading import check_weights
+        from specsamp.loading import check_dtype, check_weights
 
         check_weights(self.weights)
+        check_dtype(self.dtype)
         check_tensor_parallel(self.tensor_parallel)
         check_kv_cache(self.kv_cache)
 
@@ -90,19 +96,19 @@ _MODELS: dict = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def load_model_once(spec: str | None, weights: str = "stored", mesh=None):
-    """load_model, once per process, weight format and mesh: generators of several
+def load_model_once(spec: str | None, weights: str = "stored", mesh=None, dtype: str = "auto"):
+    """load_model, once per process, weight format, dtype and mesh: generators of several
     settings (a K sweep) share one copy of the weights, which are never modified. With a
     mesh, the weights are split over it (`Model.shard_params`)."""
     from specsamp.loading import DEFAULT_MODEL, load_model
 
-    key = (spec or DEFAULT_MODEL, weights, mesh)
+    key = (spec or DEFAULT_MODEL, weights, dtype, mesh)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            if mesh is None:
-                _MODELS[key] = load_model(spec, weights)
+            base = _MODELS.get(key[:3] + (None,))
+            if mesh is None or base is None:  # placed (and split) as it is read
+                _MODELS[key] = load_model(spec, weights, dtype, mesh)
             else:
-                base = _MODELS.get(key[:2] + (None,)) or load_model(spec, weights)
                 params = Model(base.cfg, mesh).shard_params(base.params)
                 _MODELS[key] = dataclasses.replace(base, params=params)
         return _MODELS[key]
@@ -114,17 +120,19 @@ class Generator:
     def __init__(self, spec: GeneratorSpec):
         self.spec = spec
         self.mesh = make_mesh(spec.tensor_parallel)
-        self.target = load_model_once(spec.target, spec.weights, self.mesh)
+        self.target = load_model_once(spec.target, spec.weights, self.mesh, spec.dtype)
         self.tokenizer = self.target.tokenizer
         self.draft = resolve_auto(spec.draft, spec.target)
         k = max(AUTO_KS) if spec.k == K_AUTO else spec.k  # auto: programs for K in AUTO_KS
         cfg = self.target.cfg
-        load = file_loader(self.target, lambda path: load_model_once(path, spec.weights))
+        load = file_loader(self.target, lambda path: load_model_once(path, spec.weights,
+                                                                     dtype=self.target.dtype))
         self.drafter, draft_params = build_drafter(self.draft, k, spec.sampling, cfg, self.target.params,
                                                    load, self.mesh,
                                                    wide=WIDE_LOOKUP if spec.k == K_AUTO else 0)
         self.engine = Engine(
-            Program(cfg, spec.sampling, self.drafter, spec.kv_cache), self.target.params, draft_params,
+            Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype)),
+            self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
             rounds_per_call=16 if spec.stop else 1 << 30, mesh=self.mesh,
         )

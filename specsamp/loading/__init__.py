@@ -9,12 +9,21 @@ Parameters come back as jax arrays in the layout of `specsamp.models.llama.Trans
 `weights` says in which form (WEIGHTS):
 - "stored" (the default): as the file stores them. GGUF matrices in Q4_0, Q4_1 and Q8_0 stay
   in their blocks (`specsamp.quant.QWeight`), the same model at a quarter of the bytes; other
-  tensors, and Hugging Face checkpoints, are float32. Nothing is written to the cache.
-- "float32": everything dequantized to float32. A GGUF file is dequantized once and the
+  tensors, and Hugging Face checkpoints, are floats at `dtype`. Nothing is written to the cache.
+- "float32": everything dequantized (then held at `dtype`). A GGUF file is dequantized once and the
   float32 result kept in the cache (keyed by the file's sha256): reading it back is several
   times faster than parsing and dequantizing again.
 - "int8": the float32 weights rounded to int8 per output channel (weight-only): a different
   model from its source, nearly the same; speculative sampling is exact for it as for any.
+
+`dtype` says what the float weights (and so the activations and the KV cache, which follow
+them) are held in (DTYPES): "float32", "bfloat16", or "auto": float32 on a CPU; on an
+accelerator, bfloat16 for a Hugging Face checkpoint stored in bfloat16 or float16 (bfloat16
+has float32's range, so a float16 checkpoint converts without overflow), float32 otherwise.
+Quantized weights ("stored" GGUF blocks, "int8") stay in their blocks at any dtype; their
+products come out in the run's dtype. A Hugging Face checkpoint is read tensor by tensor,
+each converted once to the run's dtype (`hf.read_hf`), and placed as it is converted
+(`_to_jax_tree`): the peak is the weights at the run's dtype plus one stacked tensor.
 """
 
 from __future__ import annotations
@@ -38,17 +47,19 @@ if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help`
 
 DEFAULT_MODEL = "smollm2"
 WEIGHTS = ("stored", "float32", "int8")
+DTYPES = ("auto", "float32", "bfloat16")
 _CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are ignored
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     cfg: ModelConfig
-    params: dict  # Transformer(cfg)'s tree: float32 jax arrays or quantized QWeights
+    params: dict  # Transformer(cfg)'s tree: jax arrays at `dtype` or quantized QWeights
     tokenizer: Tokenizer
     name: str  # short id for reports: "smollm2" or the path as given
     load_seconds: float = 0.0
     weights: str = "float32"  # one of WEIGHTS
+    dtype: str = "float32"  # the float weights' type, "auto" resolved (DTYPES)
 
     @property
     def weight_bytes(self) -> int:
@@ -64,22 +75,46 @@ def check_weights(weights: str) -> str:
     return weights
 
 
-def load_model(spec: str | None = None, weights: str = "stored") -> LoadedModel:
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def resolve_dtype(dtype: str, stored: str | None) -> str:
+    """`dtype` with "auto" resolved for a checkpoint whose floats are stored as `stored`
+    (None: not a float checkpoint, e.g. GGUF blocks)."""
+    if check_dtype(dtype) != "auto":
+        return dtype
+    import jax
+
+    on_accelerator = jax.default_backend() != "cpu"
+    return "bfloat16" if on_accelerator and stored in ("bfloat16", "float16") else "float32"
+
+
+def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "auto",
+               mesh=None) -> LoadedModel:
     """The model named by `spec`: None or "smollm2" (the embedded default), or a local path
-    or URL of a .gguf file or of a Hugging Face folder; weights as `weights` says."""
+    or URL of a .gguf file or of a Hugging Face folder; weights as `weights` says, float
+    weights at `dtype`; with a tensor-parallel mesh, each weight placed split over it as
+    it is converted (`Model.shard_params`' placement)."""
     start = time.perf_counter()
     name = spec or DEFAULT_MODEL
     stored = check_weights(weights) == "stored"
+    # int8 rounds the float32 weights: those are read first, the rest cast afterwards.
+    read_as = "float32" if weights == "int8" else check_dtype(dtype)
     if name == DEFAULT_MODEL:
         from specsamp.loading.download import ensure_smollm2
 
         cfg, flat, tokenizer = _load_gguf(ensure_smollm2(), stored)
+        stored_as = None
     else:
-        cfg, flat, tokenizer = _load_path(name, stored)
+        cfg, flat, tokenizer, stored_as = _load_path(name, stored, read_as)
+    dtype = resolve_dtype(dtype, stored_as)
     if weights == "int8":
         flat = _int8(flat)
-    params = _to_jax_tree(flat, cfg, name)
-    return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start, weights)
+    params = _to_jax_tree(flat, cfg, name, dtype, mesh)
+    return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start, weights, dtype)
 
 
 def _int8(flat: dict) -> dict:
@@ -97,20 +132,33 @@ def _int8(flat: dict) -> dict:
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
     """Speculative sampling compares the two models' probabilities token by token, so both
-    must index the same vocabulary with the same ids."""
+    must index the same vocabulary with the same ids. The draft's head may be smaller than
+    the target's (families pad their larger models' embeddings further): its logits are
+    padded (`ModelDrafter.vocab_size`). A larger one is refused."""
     t, d = target.tokenizer, draft.tokenizer
     if t.fingerprint != d.fingerprint:
+        i = first_different_token(t, d)
         raise UserError(
-            f"draft {draft.name} does not share the target's vocabulary "
-            f"({d.vocab_size} tokens, fingerprint {d.fingerprint} vs {t.vocab_size} tokens, "
-            f"fingerprint {t.fingerprint}); pick a draft from the same model family")
-    if target.cfg.vocab_size != draft.cfg.vocab_size:
+            f"draft {draft.name} does not share the target's vocabulary: token {i} is "
+            f"{t.token_text(i)!r} in the target, {d.token_text(i)!r} in the draft "
+            f"({t.vocab_size} and {d.vocab_size} tokens); pick a draft from the same model family")
+    if draft.cfg.vocab_size > target.cfg.vocab_size:
         raise UserError(
             f"draft {draft.name} has {draft.cfg.vocab_size} output rows but the target has "
-            f"{target.cfg.vocab_size}; both heads must have the same size")
+            f"{target.cfg.vocab_size}; the draft's head may not be larger than the target's")
 
 
-def _load_path(path: str, stored: bool):
+def first_different_token(a: Tokenizer, b: Tokenizer) -> int:
+    """The least id whose token differs between two tokenizers (or exists in one only)."""
+    for i in range(max(a.vocab_size, b.vocab_size)):
+        if a.token_text(i) != b.token_text(i):
+            return i
+    return min(a.vocab_size, b.vocab_size)  # same tokens: they differ in what the ids mean
+
+
+def _load_path(path: str, stored: bool, dtype: str):
+    """(cfg, flat params, tokenizer, the stored float type or None); a Hugging Face
+    folder's floats come at `dtype` ("auto" resolved for its stored type)."""
     path = path.removeprefix("file://")
     kind = fs.kind_of(path)
     if kind == "missing":
@@ -118,12 +166,12 @@ def _load_path(path: str, stored: bool):
     if kind == "file":
         if not path.lower().endswith(".gguf"):
             raise UserError(f"{path}: expected a .gguf file or a Hugging Face folder")
-        return _load_gguf(fs.local_file(path), stored)
-    return _load_hf(path)
+        return (*_load_gguf(fs.local_file(path), stored), None)
+    return _load_hf(path, dtype)
 
 
-def _load_hf(path: str):
-    from specsamp.loading.hf import FILES, read_hf
+def _load_hf(path: str, dtype: str):
+    from specsamp.loading.hf import FILES, read_hf, stored_dtype
 
     if fs.is_remote(path):
         # Copy the files the loader reads (shards included) and read the local copy.
@@ -134,7 +182,8 @@ def _load_hf(path: str):
         path = str(fs.mirror([f"{path.rstrip('/')}/{n}" for n in wanted]))
     elif not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"no model at {path}: a Hugging Face folder needs a config.json")
-    return read_hf(path)
+    stored = stored_dtype(path)
+    return (*read_hf(path, dtype=resolve_dtype(dtype, stored)), stored)
 
 
 def _load_gguf(path: str, stored: bool):
@@ -186,10 +235,13 @@ def _read_converted(folder):
     return ModelConfig(**saved["config"]), load_file(folder / "params.safetensors"), tokenizer
 
 
-def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
-    """Nest {"a/b/c": array} into the Transformer's parameter tree, as float32 jax arrays,
-    after checking every shape against the model built from `cfg` (a checkpoint whose
-    config disagrees with its weights is refused here rather than failing inside jit)."""
+def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32",
+                 mesh=None) -> dict:
+    """Nest {"a/b/c": array} into the Transformer's parameter tree, float arrays as jax
+    arrays at `dtype`, after checking every shape against the model built from `cfg` (a
+    checkpoint whose config disagrees with its weights is refused here rather than failing
+    inside jit). `flat` is emptied as its arrays are placed: each host array is freed as
+    soon as its device copy exists, so the two are never both whole."""
     import jax
     import jax.numpy as jnp
 
@@ -206,9 +258,21 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
         rows, cols = v["codes"].shape[-2], block_bits(v)[1] * v["scale"].shape[-1]
         return tuple(v["codes"].shape[:-2]) + ((cols, rows) if v["transposed"] else (rows, cols))
 
-    def to_jax(v):
+    def to_jax(key, v):
+        if mesh is not None:
+            from specsamp.models.sharding import place_leaf
+
+            v = v if isinstance(v, dict) else np.asarray(v, dtype=np.dtype(dtype))
+            leaf = to_qweight(v, v["transposed"], "xla") if isinstance(v, dict) else v
+            return jax.block_until_ready(place_leaf(cfg, tuple(key.split("/")), leaf, mesh))
         if not isinstance(v, dict):
-            return jnp.asarray(np.asarray(v, dtype=np.float32))
+            v = np.asarray(v, dtype=np.dtype(dtype))
+            # A host array of our own (writeable: not a view of a mapped file) is handed
+            # over: on a CPU, device_put keeps a 64-byte aligned one as it is (no copy;
+            # `hf.read_hf` allocates so). Placed now: a pending transfer holds its host
+            # array, and every one would stay alive until the weights' first use.
+            placed = jax.device_put(v) if v.flags.writeable else jnp.asarray(v)
+            return placed.block_until_ready()
         return to_qweight(v, v["transposed"], backend)
 
     expected = Model(cfg).param_shapes()
@@ -219,10 +283,10 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str) -> dict:
         diff = sorted(set(want.items()) ^ set(got.items()))[:3]
         raise UserError(f"{name}: weights do not match the model its config describes: {diff}")
     tree: dict = {}
-    for key, value in flat.items():
+    for key in list(flat):
         *parents, leaf = key.split("/")
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = to_jax(value)
+        node[leaf] = to_jax(key, flat.pop(key))
     return tree

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint folders -> ModelConfig, float32 parameters, Tokenizer (the
-families and their weight names: `specsamp.loading.families`).
+"""Hugging Face checkpoint folders -> ModelConfig, parameters at the run's dtype, Tokenizer
+(the families and their weight names: `specsamp.loading.families`).
 
 A folder holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), tokenizer.json and optionally tokenizer_config.json,
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
+import ml_dtypes  # noqa: F401  (registers 'bfloat16' as a numpy dtype name)
 import numpy as np
 
 from specsamp.errors import UserError
@@ -27,12 +29,11 @@ FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 _LAYER_WEIGHTS = LAYER_WEIGHTS  # Llama's names (the draft exporter writes them)
 
 
-def read_hf(folder: str, with_tokenizer: bool = True):
-    """(config, flat dict of float32 numpy arrays, tokenizer or None) from a local folder."""
+def read_hf(folder: str, with_tokenizer: bool = True, dtype="float32"):
+    """(config, flat dict of numpy arrays at `dtype`, tokenizer or None) from a local folder."""
     model_config = _read_json(folder, "config.json", required=True)
     cfg = config_from_hf(model_config)
-    weights = _load_safetensors(folder)
-    params = _params(weights, cfg, folder)
+    params = _params(folder, cfg, np.dtype(dtype))
     if not with_tokenizer:
         return cfg, params, None
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -63,39 +64,96 @@ def _read_json(folder: str, name: str, required: bool = False) -> dict:
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def _load_safetensors(folder: str) -> dict:
-    """All tensors of the folder as numpy arrays (shards included), by HF name."""
-    from safetensors import safe_open
-
+def _shard_names(folder: str) -> list[str]:
     index = _read_json(folder, "model.safetensors.index.json")
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    weights = {}
-    for name in files:
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            raise UserError(f"{folder} has no {name}")
-        try:
-            with safe_open(path, framework="numpy") as f:
-                for key in f.keys():
-                    weights[key] = f.get_tensor(key)
-        except Exception as e:
-            raise UserError(f"cannot read {path}: {type(e).__name__}: {e}") from None
-    return weights
+    names = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+    if missing:
+        raise UserError(f"{folder} has no {missing[0]}"
+                        + (f" (and {len(missing) - 1} more shards)" if len(missing) > 1 else ""))
+    return names
 
 
-def _params(w: dict, cfg: ModelConfig, folder: str) -> dict:
-    """Flat {"layers/attn/q/kernel": array, ...} in the Transformer's layout."""
-    def take(name):
-        if name not in w:
-            raise UserError(f"{folder}: weight {name} is missing")
-        return np.asarray(w[name], dtype=np.float32)
+def stored_dtype(folder: str) -> str:
+    """The float type most of the folder's weight bytes are stored in ('bfloat16', ...)."""
+    from specsamp.loading.safetensors_file import SafetensorsFile
 
-    params = {"embed/embedding": take("model.embed_tokens.weight"),
-              "final_norm/scale": take("model.norm.weight")}
+    by_type: dict = {}
+    for name in _shard_names(folder):
+        with SafetensorsFile(os.path.join(folder, name)) as f:
+            for key, (dtype, _, begin, end) in f.entries.items():
+                by_type[np.dtype(dtype).name] = by_type.get(np.dtype(dtype).name, 0) + end - begin
+    return max(by_type, key=by_type.get) if by_type else "float32"
+
+
+def _destinations(cfg: ModelConfig) -> dict:
+    """HF weight name -> (our flat key, layer index or None, transposed)."""
+    out = {"model.embed_tokens.weight": ("embed/embedding", None, False),
+           "model.norm.weight": ("final_norm/scale", None, False)}
     for suffix, dest in layer_weights(cfg).items():
-        stack = [take(f"model.layers.{i}.{suffix}") for i in range(cfg.n_layers)]
-        stack = [a.T if dest.endswith("kernel") else a for a in stack]
-        params[f"layers/{dest}"] = np.ascontiguousarray(np.stack(stack))
+        for i in range(cfg.n_layers):
+            out[f"model.layers.{i}.{suffix}"] = (f"layers/{dest}", i, dest.endswith("kernel"))
     if not cfg.tie_embeddings:
-        params["lm_head/kernel"] = np.ascontiguousarray(take("lm_head.weight").T)
-    return params
+        out["lm_head.weight"] = ("lm_head/kernel", None, True)
+    return out
+
+
+def _params(folder: str, cfg: ModelConfig, dtype) -> dict:
+    """Flat {"layers/attn/q/kernel": array, ...} in the Transformer's layout, at `dtype`.
+
+    Shard by shard, each tensor is converted once from its memory-mapped bytes into its
+    place in the result (per-layer weights into one [L, ...] array), then its pages are
+    released: the peak is the result plus one tensor. A progress line per shard."""
+    from specsamp.loading.safetensors_file import SafetensorsFile
+
+    shards = [SafetensorsFile(os.path.join(folder, n)) for n in _shard_names(folder)]
+    try:
+        where = {key: f for f in shards for key in f.keys()}
+        wanted = _destinations(cfg)
+        missing = [name for name in wanted if name not in where]
+        if missing:
+            raise UserError(f"{folder}: weight {missing[0]} is missing")
+        params = _allocate(wanted, where, cfg, dtype)
+        for n, f in enumerate(shards, 1):
+            for name in f.keys():
+                if name in wanted:
+                    _place(params, wanted[name], f, name, folder)
+            f.close()
+            print(f"read {os.path.basename(f.path)} ({n}/{len(shards)}, "
+                  f"{f.size / 1e9:.2f} GB)", file=sys.stderr, flush=True)
+        return params
+    finally:
+        for f in shards:
+            f.close()
+
+
+def _allocate(wanted: dict, where: dict, cfg: ModelConfig, dtype) -> dict:
+    """An empty array at `dtype` for every destination (pages are committed as filled)."""
+    shapes = {}
+    for name, (key, layer, transposed) in wanted.items():
+        if key not in shapes:
+            shape = where[name].entries[name][1]
+            shape = shape[::-1] if transposed else shape
+            shapes[key] = shape if layer is None else (cfg.n_layers, *shape)
+    return {key: _aligned_empty(shape, dtype) for key, shape in shapes.items()}
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """np.empty on a 64-byte boundary, which JAX's CPU client adopts without a copy."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = np.empty(size + align, np.uint8)
+    start = -buf.ctypes.data % align
+    return buf[start:start + size].view(dtype).reshape(shape)
+
+
+def _place(params: dict, dest: tuple, f, name: str, folder: str) -> None:
+    key, layer, transposed = dest
+    src = f.tensor(name)
+    src = src.T if transposed else src
+    out = params[key] if layer is None else params[key][layer]
+    if src.shape != out.shape:
+        raise UserError(f"{folder}: weight {name} has shape {src.shape[::-1] if transposed else src.shape}, "
+                        f"expected {out.shape[::-1] if transposed else out.shape}")
+    out[...] = src  # one conversion, straight from the mapped bytes
+    del src
+    f.release(name)

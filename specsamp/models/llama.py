@@ -192,6 +192,7 @@ class Attention(nn.Module):
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
+        out = out.astype(x.dtype)  # a cache wider than the activations (float32) stays in it
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 
@@ -298,10 +299,18 @@ def setup_decoder(module: nn.Module) -> None:
         module.lm_head = Linear(cfg.vocab_size, use_bias=False, name="lm_head")
 
 
+def compute_dtype(params) -> jnp.dtype:
+    """The type activations are computed in: that of the float weights (the final norm's
+    scale is one, never quantized)."""
+    return params["final_norm"]["scale"].dtype
+
+
 def embed_tokens(module: nn.Module, tokens) -> jax.Array:
-    """The embeddings of tokens [B, T] -> [B, T, D] (times sqrt(D), rounded to their type,
-    where the config says: Gemma)."""
+    """The embeddings of tokens [B, T] -> [B, T, D] at the compute type (a quantized table's
+    rows come in float32), times sqrt(D) rounded to that type where the config says (Gemma)."""
     x = module.embed(tokens)
+    if not module.is_initializing():
+        x = x.astype(compute_dtype(module.variables["params"]))
     if module.cfg.embed_scale:
         x = x * jnp.asarray(module.cfg.d_model ** 0.5, x.dtype)
     return x

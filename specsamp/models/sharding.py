@@ -76,17 +76,28 @@ def _qweight_sharding(w, spec: list, mesh: Mesh, n: int):
     return w.replace(codes=s, scale=s, min=None if w.min is None else s, layer=None)
 
 
+def leaf_sharding(cfg, names: tuple[str, ...], leaf, mesh: Mesh):
+    """The NamedSharding of the parameter `names` (e.g. ("layers", "mlp", "up", "kernel")),
+    an array or a QWeight (then one per field)."""
+    n = mesh.shape[AXIS]
+    spec = float_spec(cfg, names, len(leaf.shape), n)
+    if is_quantized(leaf):
+        return _qweight_sharding(leaf, spec, mesh, n)
+    return NamedSharding(mesh, PartitionSpec(*_fit(spec, leaf.shape, n)))
+
+
 def param_shardings(cfg, params, mesh: Mesh):
     """A pytree like `params` with a NamedSharding for each array (QWeight: per field)."""
-    n = mesh.shape[AXIS]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf_sharding(cfg, _names(path), leaf, mesh), params, is_leaf=is_quantized)
 
-    def one(path, leaf):
-        spec = float_spec(cfg, _names(path), len(leaf.shape), n)
-        if is_quantized(leaf):
-            return _qweight_sharding(leaf, spec, mesh, n)
-        return NamedSharding(mesh, PartitionSpec(*_fit(spec, leaf.shape, n)))
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
+def place_leaf(cfg, names: tuple[str, ...], leaf, mesh: Mesh):
+    """One parameter placed on the mesh as `shard_params` places it (loading places the
+    weights one at a time, so a whole copy of them never sits on one device first)."""
+    if is_quantized(leaf):
+        leaf = plain(leaf).replace(backend="xla")
+    return jax.device_put(leaf, leaf_sharding(cfg, names, leaf, mesh))
 
 
 def _xla(params):
