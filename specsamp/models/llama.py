@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specsamp.models import reductions
 from specsamp.quant import dequantize_rows, is_quantized, matmul, matmul_many
 
 
@@ -96,7 +97,7 @@ class Linear(nn.Module):
         if is_quantized(kernel):
             y = matmul(x, kernel).astype(x.dtype)
         else:
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            y = reductions.row_dot(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
         return y
@@ -131,7 +132,7 @@ class Embed(nn.Module):
     def attend(self, query):
         if is_quantized(self.embedding):
             return matmul(query, self.embedding)
-        return jnp.dot(query, self.embedding.T)
+        return reductions.row_dot(query, self.embedding, transposed=True)
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +142,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(reductions.tree_mean(x32 * x32, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
 
 
@@ -193,12 +194,10 @@ class Attention(nn.Module):
         k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
 
         q = q.reshape(b, t, j, h // j, e) * (e**-0.5)
-        scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
         slots = jnp.arange(k_cache.shape[2])
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
+        out = reductions.cache_attention(q, k_cache, v_cache, visible)
+        out = out.astype(x.dtype).reshape(b, t, h * e)
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 

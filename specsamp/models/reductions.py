@@ -1,0 +1,102 @@
+"""Reductions whose order never depends on how many rows share a call.
+
+Contract: a row's result from every function here is bit for bit the same whether the
+row is computed alone or among any number of other rows, and whether its tokens come in
+one block (a K+1 scoring call, a prefill pass) or one at a time. That is what makes "a
+sample depends only on its seed, not on its batch" and "greedy speculative equals greedy
+autoregressive" exact instead of true up to near-ties.
+
+Why: XLA is free to vectorise a reduction (jnp.sum, jnp.mean, softmax's sum, cumsum) and
+a float32 dot differently for each shape, and does: on XLA:CPU an RMSNorm's sum of squares
+gets other bits once a call holds 8 or more rows, and a dot's rows change from 1 row to 2.
+Here sums are a fixed binary tree of element-wise adds (XLA does not reassociate
+element-wise float adds), so the order is a function of the reduced length only; float
+products go one row at a time through a product of one fixed shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _padded_last(x: jax.Array, axis: int) -> jax.Array:
+    """x with `axis` moved last and zero-padded to a power of two (x + 0 is x exactly,
+    so padding changes no sum)."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    return x
+
+
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a fixed binary tree: halves added until one entry is left.
+    The order depends on the axis' length only."""
+    axis = axis % x.ndim
+    y = _padded_last(x, axis)
+    while y.shape[-1] > 1:
+        half = y.shape[-1] // 2
+        y = y[..., :half] + y[..., half:]
+    y = y[..., 0]
+    return jnp.expand_dims(y, axis) if keepdims else y
+
+
+def tree_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    return tree_sum(x, axis, keepdims) / x.shape[axis]
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """jax.nn.softmax with its sum a `tree_sum` (the max is exact in any order)."""
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True)))
+    return e / tree_sum(e, axis, keepdims=True)
+
+
+def cumsum(x: jax.Array) -> jax.Array:
+    """Running sum over the last axis in a fixed order (Hillis-Steele: log2(n) rounds of
+    shifted element-wise adds), the same for any leading shape."""
+    n = x.shape[-1]
+    shift = 1
+    while shift < n:
+        pad = jnp.zeros(x.shape[:-1] + (shift,), x.dtype)
+        x = x + jnp.concatenate([pad, x[..., :-shift]], axis=-1)
+        shift *= 2
+    return x
+
+
+def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [..., C] times w [C, N] (w [N, C] with `transposed`), float products one row at
+    a time: every row goes through the same [1, C] x [C, N] product (one compiled shape
+    inside a loop), so its bits never depend on the count of rows or tokens in the call.
+    Costs a pass over w per row where a batched product would share one."""
+    lead, c = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, 1, c)
+    contract = 1 if transposed else 0
+    dims = (((1,), (contract,)), ((), ()))
+    out = jax.lax.map(lambda r: jax.lax.dot_general(r, w, dims), rows)
+    return out.reshape(lead + (out.shape[-1],))
+
+
+def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    visible: jax.Array) -> jax.Array:
+    """Grouped-query attention over a cache, one (row, token) at a time: q [B, T, J, G, E]
+    (already scaled), k_cache, v_cache [B, J, S, E], visible [B, T, S] -> [B, T, J, G, E].
+    Each query goes through products of one fixed shape ([J, G, E] x [J, S, E], then
+    [J, G, S] x [J, S, E]) and a `softmax` over the S slots, so a row's bits depend neither
+    on the batch nor on T (a K+1 block gives each position the numbers of a single step)."""
+    neg = jnp.finfo(jnp.float32).min
+    # The types jnp.einsum would promote to: a float16 cache is read as q's float32.
+    dt = jnp.promote_types(q.dtype, k_cache.dtype)
+
+    def one(q_t, keys, vals, vis_t):
+        scores = jax.lax.dot_general(q_t.astype(dt), keys.astype(dt), (((2,), (2,)), ((0,), (0,))))
+        scores = jnp.where(vis_t[None, None], scores.astype(jnp.float32), neg)
+        weights = softmax(scores).astype(q.dtype).astype(dt)
+        return jax.lax.dot_general(weights, vals.astype(dt), (((2,), (1,)), ((0,), (0,))))
+
+    def row(args):
+        q_b, keys, vals, vis_b = args
+        return jax.lax.map(lambda a: one(a[0], keys, vals, a[1]), (q_b, vis_b))
+
+    return jax.lax.map(row, (q, k_cache, v_cache, visible))
