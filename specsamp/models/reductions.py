@@ -12,6 +12,11 @@ gets other bits once a call holds 8 or more rows, and a dot's rows change from 1
 Here sums are a fixed binary tree of element-wise adds (XLA does not reassociate
 element-wise float adds), so the order is a function of the reduced length only; float
 products go one row at a time through a product of one fixed shape.
+
+Where the process has several devices (a tensor-parallel split), the products and XLA's
+attention run batched instead: a per-row loop there would all-reduce once per row. Rows
+are then equal across batches up to rounding only (the split's own cross-device sums are
+not batch-invariant either).
 """
 
 from __future__ import annotations
@@ -65,14 +70,21 @@ def cumsum(x: jax.Array) -> jax.Array:
     return x
 
 
+def per_row() -> bool:
+    """Whether products go one row at a time (one device; see the module's note)."""
+    return jax.device_count() == 1
+
+
 def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     """x [..., C] times w [C, N] (w [N, C] with `transposed`), float products one row at
     a time: every row goes through the same [1, C] x [C, N] product (one compiled shape
     inside a loop), so its bits never depend on the count of rows or tokens in the call.
     Costs a pass over w per row where a batched product would share one."""
+    contract = 1 if transposed else 0
+    if not per_row():
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
     lead, c = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, 1, c)
-    contract = 1 if transposed else 0
     dims = (((1,), (contract,)), ((), ()))
     out = jax.lax.map(lambda r: jax.lax.dot_general(r, w, dims), rows)
     return out.reshape(lead + (out.shape[-1],))
@@ -86,6 +98,11 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     [J, G, S] x [J, S, E]) and a `softmax` over the S slots, so a row's bits depend neither
     on the batch nor on T (a K+1 block gives each position the numbers of a single step)."""
     neg = jnp.finfo(jnp.float32).min
+    if not per_row():
+        scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
+        scores = jnp.where(visible[:, None, None], scores, neg)
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jnp.einsum("bjgts,bjse->btjge", weights, v_cache)
     # The types jnp.einsum would promote to: a float16 cache is read as q's float32.
     dt = jnp.promote_types(q.dtype, k_cache.dtype)
 
