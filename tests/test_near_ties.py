@@ -10,8 +10,8 @@ import numpy as np
 from specsamp.decoding import continuous
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.continuous import ContinuousEngine
-from specsamp.decoding.decode import PREFILL_CHUNK, Program
-from specsamp.decoding.engine import Engine
+from specsamp.decoding.decode import PREFILL_CHUNK, Program, new_state
+from specsamp.decoding.engine import Engine, prefill_groups, prompt_bucket
 from specsamp.models.model import Model
 from tests import tiny
 from tests.test_exactness import DRAFTS, PROMPT
@@ -40,33 +40,59 @@ def test_greedy_rows_equal_alone_in_a_batch_and_speculative():
         assert [s.token_ids for s in spec] == [a.token_ids for a in ar], (drafter, k)
 
 
-def _stepwise_greedy(prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by one-token calls from an empty cache (no prefill passes)."""
+def _stepwise(prompt: list[int], n: int, slots: int):
+    """(greedy tokens, target cache) by one-token calls from an empty cache (no prefill
+    passes): the reference a prefill in passes must equal bit for bit."""
     model = Model(tiny.TARGET)
     params = tiny.near_tie_params()
     step = jax.jit(lambda t, p, c: model.forward(params, t, p, c))
-    cache = model.init_cache(1, 256)
+    cache = model.init_cache(1, slots)
     tokens, out = list(prompt), []
     for i in range(len(prompt) + n - 1):
         logits, cache = step(jnp.asarray([[tokens[i]]]), jnp.asarray([[i]]), cache)
         if i >= len(prompt) - 1:
             tokens.append(int(np.argmax(np.asarray(logits[0, 0]))))
             out.append(tokens[-1])
-    return out
+    return out, cache
+
+
+def _engine_prefill(eng: Engine, prompts: list[list[int]]):
+    """The target cache after the engine's own prefill of `prompts` (its groups and
+    passes, as `Engine.run` makes them)."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    bucket = prompt_bucket(int(lens.max()))
+    padded = np.zeros((len(prompts), bucket), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    seeds = np.arange(len(prompts), dtype=np.uint32)
+    state = new_state(eng.prog, jnp.asarray(padded), jnp.asarray(lens), eng.max_new_tokens,
+                      jnp.asarray(seeds), eng._slots(bucket))
+    calls, _ = eng._prefill_calls(state, prefill_groups(lens), padded, lens, seeds)
+    for call in calls:
+        state = call(state)
+    return state.target_cache
 
 
 def test_prompts_at_prefill_pass_boundaries():
     """Prompts whose all-but-last tokens fill exactly 1 or 2 prefill passes, or one token
-    more or less: greedy tokens equal one-token-at-a-time decoding. Catches a prompt
-    prefilled one pass short (e.g. `prefill_chunks` as `-(-(n - 2) // PREFILL_CHUNK)`:
-    its last prompt position's cache entry is never written)."""
+    more or less: after the engine's prefill every prompt position's cache entry is bit
+    for bit the one-token-at-a-time entry, and greedy tokens are the same. Catches a
+    prompt prefilled one pass short (e.g. `prefill_chunks` as `-(-(n - 2) //
+    PREFILL_CHUNK)`: its last prompt position's entry is never written)."""
     c = PREFILL_CHUNK
     rng = np.random.default_rng(4)
     lengths = [c, c + 1, c + 2, 2 * c + 1, 2 * c + 2]
     prompts = [rng.integers(0, tiny.TARGET.vocab_size, n).tolist() for n in lengths]
-    got = engine("none", 1, 16).run(prompts, list(range(len(prompts))))
-    for prompt, row in zip(prompts, got):
-        assert list(row.token_ids) == _stepwise_greedy(prompt, 16), len(prompt)
+    eng = engine("none", 1, 16)
+    cache = _engine_prefill(eng, prompts)
+    got = eng.run(prompts, list(range(len(prompts))))
+    for i, (prompt, row) in enumerate(zip(prompts, got)):
+        n = len(prompt) - 1  # positions the prefill writes
+        tokens, want = _stepwise(prompt, 16, cache.size)
+        for have, ref in [(cache.k, want.k), (cache.v, want.v)]:
+            np.testing.assert_array_equal(np.asarray(have)[:, i, :, :n], np.asarray(ref)[:, 0, :, :n],
+                                          err_msg=f"prompt of {len(prompt)} tokens")
+        assert list(row.token_ids) == tokens, len(prompt)
 
 
 def test_rows_moved_unsorted_into_fewer_slots_with_fillers(monkeypatch):

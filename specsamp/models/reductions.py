@@ -11,7 +11,7 @@ a float32 dot differently for each shape, and does: on XLA:CPU an RMSNorm's sum 
 gets other bits once a call holds 8 or more rows, and a dot's rows change from 1 row to 2.
 Here sums are a fixed binary tree of element-wise adds (XLA does not reassociate
 element-wise float adds), so the order is a function of the reduced length only; float
-products go one row at a time through a product of one fixed shape.
+products go through a product of one fixed shape in a loop (`row_dot`).
 
 Where the process has several devices (a tensor-parallel split), the products and XLA's
 attention run batched instead: a per-row loop there would all-reduce once per row. Rows
@@ -25,27 +25,21 @@ import jax
 import jax.numpy as jnp
 
 
-def _padded_last(x: jax.Array, axis: int) -> jax.Array:
-    """x with `axis` moved last and zero-padded to a power of two (x + 0 is x exactly,
-    so padding changes no sum)."""
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a fixed binary tree: the axis zero-padded to a power of two (x + 0
+    is x exactly), then halves added until one entry is left. The order depends on the
+    axis' length only."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
     width = 1 << max(0, (n - 1).bit_length())
     if width != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    return x
-
-
-def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """Sum over `axis` as a fixed binary tree: halves added until one entry is left.
-    The order depends on the axis' length only."""
-    axis = axis % x.ndim
-    y = _padded_last(x, axis)
-    while y.shape[-1] > 1:
-        half = y.shape[-1] // 2
-        y = y[..., :half] + y[..., half:]
-    y = y[..., 0]
-    return jnp.expand_dims(y, axis) if keepdims else y
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - n)
+        x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
+    return x if keepdims else jnp.squeeze(x, axis)
 
 
 def tree_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
@@ -75,19 +69,30 @@ def per_row() -> bool:
     return jax.device_count() == 1
 
 
+# Weights of at most this many entries go through products of TILE rows at a time (a
+# fixed [TILE, C] x [C, N] shape, in which a row's bits do not depend on its place or its
+# tile-mates: what XLA:CPU does, and tests/test_batch_invariance.py checks; a loop step per
+# row would cost more than the product); larger ones one row at a time ([1, C] x [C, N],
+# a pass over w per row where a batched product shares one).
+SMALL_PRODUCT = 1 << 16
+TILE = 64
+
+
 def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """x [..., C] times w [C, N] (w [N, C] with `transposed`), float products one row at
-    a time: every row goes through the same [1, C] x [C, N] product (one compiled shape
-    inside a loop), so its bits never depend on the count of rows or tokens in the call.
-    Costs a pass over w per row where a batched product would share one."""
+    """x [..., C] times w [C, N] (w [N, C] with `transposed`), a row's bits independent of
+    the count of rows or tokens in the call: rows go through one compiled product shape
+    inside a loop, chosen by w's shape only (SMALL_PRODUCT)."""
     contract = 1 if transposed else 0
     if not per_row():
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
     lead, c = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, 1, c)
+    rows = x.reshape(-1, c)
+    m = rows.shape[0]
+    tile = TILE if w.size <= SMALL_PRODUCT else 1
+    rows = jnp.pad(rows, ((0, -m % tile), (0, 0))).reshape(-1, tile, c)
     dims = (((1,), (contract,)), ((), ()))
     out = jax.lax.map(lambda r: jax.lax.dot_general(r, w, dims), rows)
-    return out.reshape(lead + (out.shape[-1],))
+    return out.reshape(-1, out.shape[-1])[:m].reshape(lead + (out.shape[-1],))
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
