@@ -3,6 +3,8 @@
 #   ./dev.sh demo   install, then run the main job (HumanEval prompts on the embedded
 #                   SmolLM2-135M-Instruct, speculative and baseline) and print a summary
 #   ./dev.sh test   install, then run the whole test suite (what CI runs)
+#   ./dev.sh quick  install, then the fast lane: every test not marked slow (the exactness
+#                   tests on the tiny models included; see tests/conftest.py)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -52,8 +54,13 @@ case "${1:-}" in
     # pytest exits 5 when it collects no test: that is a failure here, as any non-zero code.
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
+  quick)
+    setup
+    shift
+    exec "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo|test [extra arguments]" >&2
+    echo "usage: ./dev.sh demo|test|quick [extra arguments]" >&2
     exit 2
     ;;
 esac

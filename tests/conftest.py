@@ -8,7 +8,12 @@ After each test module the compiled programs it made are dropped: each XLA:CPU e
 keeps memory mappings of its machine code, and a session that kept all of them reached the
 kernel's limit (vm.max_map_count, 65530) near the end of the suite, where XLA then failed
 inside a compile with a segmentation fault. Programs needed again come back from the
-persistent cache. The summary line says how many mappings the process held at most."""
+persistent cache. The summary line says how many mappings the process held at most.
+
+The fast lane (`./dev.sh quick`, i.e. `-m "not slow"`) leaves out the real-model tests
+and the modules in OUTSIDE_FAST_LANE (pipelines, sandboxes, training, subprocess CLIs,
+multi-device runs), which this file marks slow; it keeps every exactness test on the tiny
+models in one process. CI runs everything."""
 
 import gc
 
@@ -19,8 +24,22 @@ from specsamp.compilation import enable_compilation_cache, forget_executables, m
 _PEAK = {"maps": 0, "module": ""}
 
 
+OUTSIDE_FAST_LANE = frozenset({
+    "test_pipeline", "test_pipeline_checks", "test_pipeline_dataflow", "test_pipeline_faults",
+    "test_pipeline_slow", "test_pipeline_dask", "test_gcs", "test_sandbox_adversarial",
+    "test_sandbox_isolation", "test_distill", "test_feature_distill", "test_cli", "test_eval",
+    "test_bench", "test_throughput", "test_report", "test_download", "test_sharding",
+})
+
+
 def pytest_configure(config):
     enable_compilation_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in OUTSIDE_FAST_LANE:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -81,8 +81,9 @@ def _inputs(b, t, h=6, j=2, e=24, layers=3, slots=32, seed=0, dtype=jnp.float32)
 
 # Head widths: 24 (not a multiple of 16: the portable loops), 64 (the embedded model's: with
 # AVX-512 the vector scores of 16 slots at once); starts such that rows cover whole blocks
-# of 16 slots and a partial last one.
-WIDTHS = [(24, 32, (5, 11)), (64, 48, (13, 37))]
+# of 16 slots and a partial last one; the last entry gives every row of the batch test an
+# odd count of slots (15, 37, 47, 1), so the weighted sums end on a lone even slot.
+WIDTHS = [(24, 32, (5, 11)), (64, 48, (13, 37)), (64, 47, (14, 36))]
 DTYPES = [jnp.float32, jnp.float16]  # what the cache holds
 
 
@@ -130,7 +131,9 @@ def test_rows_alike_whatever_the_token_count(e, slots, starts, dtype):
 def test_rows_alike_whatever_the_batch(e, slots, starts, dtype):
     """Catches a row whose numbers depend on its batch: from 3 rows on, the kernel's work
     items change from (row, query head) to (row, KV head); each row of a batch of 4 gives
-    bit for bit what it gives alone, and a wrong head-to-KV-head map fails the reference."""
+    bit for bit what it gives alone, and a wrong head-to-KV-head map fails the reference.
+    With odd slot counts, also a grouped pass that adds a lone last slot into the other
+    sum than one head alone does (`a[g][G > 1][c]` in weighted_avx512's odd tail)."""
     q, k, v, kc, vc = _inputs(4, 1, e=e, slots=slots, seed=2, dtype=dtype)
     pos = jnp.asarray([[starts[0]], [starts[1]], [slots - 1], [0]], jnp.int32)
     out, kb, vb = (np.asarray(a) for a in _attend(0, q, k, v, pos, kc, vc, 0.2))

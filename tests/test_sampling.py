@@ -101,11 +101,13 @@ def _boundary_row():
     running mass + 1 ulp is covered by the top 256."""
     import jax
 
+    from specsamp.models.reductions import cumsum
+
     for seed in range(100):
         probs = np.random.default_rng(seed).gamma(0.5, size=1000).astype(np.float32)
         probs /= probs.sum()
         top = jax.lax.top_k(jnp.asarray(probs), 256)[0]
-        running = np.float32(jnp.cumsum(top)[-1])
+        running = np.float32(cumsum(top)[-1])
         if np.float32(jnp.sum(top)) > running:
             return jnp.asarray(probs[None]), running
     raise AssertionError("no row where sum and running sum differ")
@@ -125,6 +127,18 @@ def test_nucleus_fast_path_equals_full_sort_at_the_boundary():
     assert (at > 0).sum() == 256
     assert (above > 0).sum() == 257
     assert np.asarray(probs)[0][above[0] > 0].min() == ranked[256]
+
+
+def test_nucleus_stops_where_the_prefix_mass_equals_top_p():
+    """Probabilities that are sums of powers of two, so prefix masses are exact: at top_p
+    equal to a prefix's mass that prefix is the nucleus (it reaches top_p); the next token
+    is not kept. Catches the cut's comparison `mass_before < top_p` written `<=`."""
+    from specsamp.decoding.sampling import _nucleus
+
+    probs = jnp.asarray([[0.0625, 0.5, 0.125, 0.25, 0.0625], [0.25, 0.125, 0.5, 0.0625, 0.0625]])
+    for top_p, kept in [(0.75, 2), (0.875, 3), (0.5, 1)]:
+        got = np.asarray(jax.jit(_nucleus, static_argnums=1)(probs, top_p))
+        assert ((got > 0).sum(axis=-1) == kept).all(), (top_p, got)
 
 
 @pytest.mark.parametrize("v", [7, 256, 1000])

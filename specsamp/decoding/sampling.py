@@ -8,6 +8,10 @@ Order (fixed; the draft and the target get the same transform):
   4. renormalise.
 The arrays returned here are the very arrays a draft token is drawn from, the arrays in
 min(1, q/p), and the arrays in the residual (q - p)+. Nothing mutates them in between.
+
+Every sum and running sum here is `specsamp.models.reductions`' fixed-order one, so a row's
+probabilities and draws are bit for bit the same in any batch (a sample depends only on
+its seed and its logits).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.models.argmax import first_argmax
+from specsamp.models.reductions import cumsum, softmax, tree_sum
 
 
 def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -31,7 +36,7 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     if 0 < sp.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, neg)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits)
     if sp.top_p < 1.0:
         probs = _nucleus(probs, sp.top_p)
     return probs
@@ -53,19 +58,19 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     v = probs.shape[-1]
     fast_k = min(_NUCLEUS_FAST_K, v)
     top = jax.lax.top_k(probs, fast_k)[0]
-    top_mass = jnp.cumsum(top, axis=-1)
+    top_mass = cumsum(top)
     # Covered: the top's own running mass (the very numbers the cut compares) reaches
     # top_p, so no token past the top can be inside the nucleus.
     covered = top_mass[..., -1] >= top_p
 
     def full():
         rest = -jnp.sort(-probs, axis=-1)[..., fast_k:]
-        mass = jnp.concatenate([top_mass, top_mass[..., -1:] + jnp.cumsum(rest, axis=-1)], axis=-1)
+        mass = jnp.concatenate([top_mass, top_mass[..., -1:] + cumsum(rest)], axis=-1)
         return _smallest_kept(jnp.concatenate([top, rest], axis=-1), mass, top_p)
 
     cut = jax.lax.cond(jnp.all(covered) | (fast_k == v), lambda: _smallest_kept(top, top_mass, top_p), full)
     kept = jnp.where(probs >= cut, probs, 0.0)
-    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+    return kept / tree_sum(kept, keepdims=True)
 
 
 def _smallest_kept(sorted_p: jax.Array, mass: jax.Array, top_p: float) -> jax.Array:
@@ -98,15 +103,15 @@ def _sample_row(key: jax.Array, p: jax.Array) -> jax.Array:
     v = p.shape[0]
     pad = -v % _BLOCK
     blocks = jnp.pad(p, (0, pad)).reshape(-1, _BLOCK)
-    sums = jnp.sum(blocks, axis=1)
-    mass = jnp.cumsum(sums)
+    sums = tree_sum(blocks)
+    mass = cumsum(sums)
     t = jax.random.uniform(key, (), jnp.float32) * mass[-1]
     # The first block whose running mass exceeds t (the last block with mass if rounding
     # put t at the total); then the same rule inside it, against t minus the mass before.
     b = _first_above(mass, t, sums > 0)
     before = jnp.where(b > 0, mass[jnp.maximum(b - 1, 0)], 0.0)
     row = jax.lax.dynamic_index_in_dim(blocks, b, keepdims=False)
-    j = _first_above(jnp.cumsum(row), t - before, row > 0)
+    j = _first_above(cumsum(row), t - before, row > 0)
     return (b * _BLOCK + j).astype(jnp.int32)
 
 
@@ -125,5 +130,5 @@ def residual(q: jax.Array, p: jax.Array) -> jax.Array:
     """(q - p)+ normalised. Where it is all zero (q == p up to rounding: rejection then has
     probability ~0), fall back to q so the draw stays well defined."""
     diff = jnp.maximum(q - p, 0.0)
-    total = jnp.sum(diff, axis=-1, keepdims=True)
+    total = tree_sum(diff, keepdims=True)
     return jnp.where(total > 0, diff / jnp.where(total > 0, total, 1.0), q)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.models.argmax import first_argmax
+from specsamp.models.reductions import row_dot
 from specsamp.models.llama import (
     KVCache, Linear, ModelConfig, run_layers, setup_decoder,
 )
@@ -114,7 +115,7 @@ def head_product(g, kernel):
 
     if is_quantized(kernel):
         return matmul(g, kernel)
-    return jnp.einsum("...d,dn->...n", g, kernel).astype(jnp.float32)
+    return row_dot(g, kernel).astype(jnp.float32)  # batch-invariant (`reductions`)
 
 
 def reduced_head(target_cfg: ModelConfig, target_params, head_ids, pad: bool = False):

@@ -27,7 +27,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specsamp.models import reductions
 from specsamp.models.config import ModelConfig
+from specsamp.models.reductions import softcap
 from specsamp.models.rope import apply_rope, rope_tables
 from specsamp.quant import dequantize_rows, is_quantized, matmul, matmul_many
 
@@ -73,7 +75,7 @@ class Linear(nn.Module):
         if is_quantized(kernel):
             y = matmul(x, kernel).astype(x.dtype)
         else:
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            y = reductions.row_dot(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,))
         return y
@@ -108,7 +110,7 @@ class Embed(nn.Module):
     def attend(self, query):
         if is_quantized(self.embedding):
             return matmul(query, self.embedding)
-        return jnp.dot(query, self.embedding.T)
+        return reductions.row_dot(query, self.embedding, transposed=True)
 
 
 class RMSNorm(nn.Module):
@@ -124,17 +126,12 @@ class RMSNorm(nn.Module):
         if self.plus_one:
             scale = 1.0 + scale.astype(jnp.float32)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(reductions.tree_mean(x32 * x32, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
 
 
 def _norm(cfg: ModelConfig, name: str) -> RMSNorm:
     return RMSNorm(cfg.norm_eps, cfg.norm_plus_one, name=name)
-
-
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself without a cap."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def layer_rope(cfg: ModelConfig, positions: jax.Array) -> tuple:
@@ -183,16 +180,13 @@ class Attention(nn.Module):
         k_cache, v_cache = _write(k_cache, k, start), _write(v_cache, v, start)
 
         q = q.reshape(b, t, j, h // j, e) * cfg.scale
-        scores = jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32)
-        scores = softcap(scores, cfg.attn_softcap)
         slots = jnp.arange(k_cache.shape[2])
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         if cfg.windowed:  # keys within the window: positions p - W < slot <= p
             visible &= (window <= 0) | (slots[None, None, :] > positions[:, :, None] - window)
-        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bjgts,bjse->btjge", weights, v_cache).reshape(b, t, h * e)
-        out = out.astype(x.dtype)  # a cache wider than the activations (float32) stays in it
+        out = reductions.cache_attention(q, k_cache, v_cache, visible, cfg.attn_softcap)
+        # a cache wider than the activations (float32) stays in it: round to theirs
+        out = out.astype(x.dtype).reshape(b, t, h * e)
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
 

@@ -201,9 +201,11 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
         if kernels.supports(w):
             return kernels.qmatmul(x, w)
+    from specsamp.models.reductions import row_dot
+
     w = _resolve(w)
     rows = _values(w, w.codes, w.scale, w.min)
-    return jnp.einsum("...c,rc->...r", x.astype(jnp.float32), rows)
+    return row_dot(x.astype(jnp.float32), rows, transposed=True)  # batch-invariant
 
 
 def matmul_many(x: jax.Array, ws) -> list[jax.Array]:

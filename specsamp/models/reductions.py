@@ -1,0 +1,130 @@
+"""Reductions whose order never depends on how many rows share a call.
+
+Contract: a row's result from every function here is bit for bit the same whether the
+row is computed alone or among any number of other rows, and whether its tokens come in
+one block (a K+1 scoring call, a prefill pass) or one at a time. That is what makes "a
+sample depends only on its seed, not on its batch" and "greedy speculative equals greedy
+autoregressive" exact instead of true up to near-ties.
+
+Why: XLA is free to vectorise a reduction (jnp.sum, jnp.mean, softmax's sum, cumsum) and
+a float32 dot differently for each shape, and does: on XLA:CPU an RMSNorm's sum of squares
+gets other bits once a call holds 8 or more rows, and a dot's rows change from 1 row to 2.
+Here sums are a fixed binary tree of element-wise adds (XLA does not reassociate
+element-wise float adds), so the order is a function of the reduced length only; float
+products go through a product of one fixed shape in a loop (`row_dot`).
+
+Where the process has several devices (a tensor-parallel split), the products and XLA's
+attention run batched instead: a per-row loop there would all-reduce once per row. Rows
+are then equal across batches up to rounding only (the split's own cross-device sums are
+not batch-invariant either).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a fixed binary tree: the axis zero-padded to a power of two (x + 0
+    is x exactly), then halves added until one entry is left. The order depends on the
+    axis' length only."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - n)
+        x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = jax.lax.slice_in_dim(x, 0, half, axis=axis) + jax.lax.slice_in_dim(x, half, 2 * half, axis=axis)
+    return x if keepdims else jnp.squeeze(x, axis)
+
+
+def tree_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    return tree_sum(x, axis, keepdims) / x.shape[axis]
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """jax.nn.softmax with its sum a `tree_sum` (the max is exact in any order)."""
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True)))
+    return e / tree_sum(e, axis, keepdims=True)
+
+
+def cumsum(x: jax.Array) -> jax.Array:
+    """Running sum over the last axis in a fixed order (Hillis-Steele: log2(n) rounds of
+    shifted element-wise adds), the same for any leading shape."""
+    n = x.shape[-1]
+    shift = 1
+    while shift < n:
+        pad = jnp.zeros(x.shape[:-1] + (shift,), x.dtype)
+        x = x + jnp.concatenate([pad, x[..., :-shift]], axis=-1)
+        shift *= 2
+    return x
+
+
+def per_row() -> bool:
+    """Whether products go one row at a time (one device; see the module's note)."""
+    return jax.device_count() == 1
+
+
+# Weights of at most this many entries go through products of TILE rows at a time (a
+# fixed [TILE, C] x [C, N] shape, in which a row's bits do not depend on its place or its
+# tile-mates: what XLA:CPU does, and tests/test_batch_invariance.py checks; a loop step per
+# row would cost more than the product); larger ones one row at a time ([1, C] x [C, N],
+# a pass over w per row where a batched product shares one).
+SMALL_PRODUCT = 1 << 16
+TILE = 64
+
+
+def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [..., C] times w [C, N] (w [N, C] with `transposed`), a row's bits independent of
+    the count of rows or tokens in the call: rows go through one compiled product shape
+    inside a loop, chosen by w's shape only (SMALL_PRODUCT)."""
+    contract = 1 if transposed else 0
+    if not per_row():
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
+    lead, c = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, c)
+    m = rows.shape[0]
+    tile = TILE if w.size <= SMALL_PRODUCT else 1
+    rows = jnp.pad(rows, ((0, -m % tile), (0, 0))).reshape(-1, tile, c)
+    dims = (((1,), (contract,)), ((), ()))
+    out = jax.lax.map(lambda r: jax.lax.dot_general(r, w, dims), rows)
+    return out.reshape(-1, out.shape[-1])[:m].reshape(lead + (out.shape[-1],))
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself without a cap."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    visible: jax.Array, cap: float | None = None) -> jax.Array:
+    """Grouped-query attention over a cache, one (row, token) at a time: q [B, T, J, G, E]
+    (already scaled), k_cache, v_cache [B, J, S, E], visible [B, T, S] -> [B, T, J, G, E].
+    Each query goes through products of one fixed shape ([J, G, E] x [J, S, E], then
+    [J, G, S] x [J, S, E]) and a `softmax` over the S slots, so a row's bits depend neither
+    on the batch nor on T (a K+1 block gives each position the numbers of a single step).
+    Scores are soft-capped at `cap` (if any) before the mask, as Gemma 2 does."""
+    neg = jnp.finfo(jnp.float32).min
+    if not per_row():
+        scores = softcap(jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32), cap)
+        scores = jnp.where(visible[:, None, None], scores, neg)
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jnp.einsum("bjgts,bjse->btjge", weights, v_cache)
+    # The types jnp.einsum would promote to: a float16 cache is read as q's float32.
+    dt = jnp.promote_types(q.dtype, k_cache.dtype)
+
+    def one(q_t, keys, vals, vis_t):
+        scores = jax.lax.dot_general(q_t.astype(dt), keys.astype(dt), (((2,), (2,)), ((0,), (0,))))
+        scores = jnp.where(vis_t[None, None], softcap(scores.astype(jnp.float32), cap), neg)
+        weights = softmax(scores).astype(q.dtype).astype(dt)
+        return jax.lax.dot_general(weights, vals.astype(dt), (((2,), (1,)), ((0,), (0,))))
+
+    def row(args):
+        q_b, keys, vals, vis_b = args
+        return jax.lax.map(lambda a: one(a[0], keys, vals, a[1]), (q_b, vis_b))
+
+    return jax.lax.map(row, (q, k_cache, v_cache, visible))
