@@ -8,4 +8,7 @@ token ids: compile, run, time), `rounds` and `results` (per-sample statistics), 
 (the text API, `load_generator`). Throughput: `continuous` (slots refilled as rows finish),
 `costs` and `kpolicy` (`--k auto`). `stats` holds the statistics' formulas (acceptance rate,
 alpha, expected tokens per round, predicted speed-up), used by the loop and by the reports.
+Token trees (building blocks, not yet in the loop): `tree` (a static tree of parent indices,
+its tables and the scoring block's attention mask) and `tree_acceptance` (the exact rules
+over a tree: greedy, and children drawn with or without replacement or fixed).
 """
