@@ -31,12 +31,12 @@ import time
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipelines.stop import kept_in, signal_words
 from specsamp.errors import RunFailed, UserError
 
 RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 NAMES = ("DaskRunner", "dask", "Dask", RUNNER)
 _GIB = 1 << 30
-_SIGNALS = {2: ("SIGINT", "interrupted"), 15: ("SIGTERM", "terminated")}
 _OURS = ("pipelines", "specsamp", "schemas")  # packages a cluster must have to run the job
 
 
@@ -126,11 +126,11 @@ class DaskTarget:
     def stopped(self, signum: int, output: str) -> str:
         """The line for Ctrl-C / SIGTERM, after the job's tasks on the cluster are cancelled
         (a LocalCluster's workers are already gone with the launcher's child processes)."""
-        name, what = _SIGNALS.get(signum, (f"signal {signum}", "stopped"))
+        name, what = signal_words(signum)
         cancelled = self.result is not None and _within(5, lambda: self.result.client.cancel(self.result.futures))
         return (f"specsamp run: {what} ({name}); "
                 + ("this job's tasks on the Dask cluster were cancelled; " if cancelled else "")
-                + f"the rows committed so far are kept in {output}; run the same command again to resume")
+                + kept_in(output))
 
     def run_to_end(self, p: beam.Pipeline) -> None:
         """Submit, report progress until the job ends, and turn the cluster's failures into
@@ -156,8 +156,7 @@ class DaskTarget:
     def _failure(self, e: Exception) -> Exception | None:
         from distributed import KilledWorker
 
-        keep = (f"the rows committed so far are kept in {self._plan.cfg.output}; "
-                "run the same command again to resume")
+        keep = kept_in(self._plan.cfg.output)
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         if isinstance(e, KilledWorker):
             return RunFailed(f"a task of this job was running on each of the Dask workers that died "

@@ -22,12 +22,12 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from pipelines import dask_cluster
+from pipelines.stop import kept_in, signal_words
 from specsamp.errors import UserError
 
 _LOCAL_RUNNERS = (None, "DirectRunner", "SwitchingDirectRunner")
 _CONFIG_RUNNERS = {"local": None, "dask": dask_cluster.RUNNER, "dataflow": "DataflowRunner"}
 _USER_ERROR = re.compile(r"specsamp\.errors\.UserError: ([^\n]+)")
-_SIGNALS = {2: ("SIGINT", "interrupted"), 15: ("SIGTERM", "terminated")}
 
 
 def pipeline_options(beam_args: list[str], config_runner: str | None = None) -> PipelineOptions:
@@ -75,9 +75,8 @@ class LocalTarget:
         """Nothing to add: the reports end in the runner's memory (small: keys per batch)."""
 
     def stopped(self, signum: int, output: str) -> str:
-        name, what = _SIGNALS.get(signum, (f"signal {signum}", "stopped"))
-        return (f"specsamp run: {what} ({name}); the rows committed so far are kept in {output}; "
-                "run the same command again to resume")
+        name, what = signal_words(signum)
+        return f"specsamp run: {what} ({name}); {kept_in(output)}"
 
     def run_to_end(self, p: beam.Pipeline) -> None:
         """Run and wait. A UserError raised on a worker (e.g. a checkpoint that does not
@@ -105,7 +104,7 @@ class RemoteTarget(LocalTarget):
         return max(1, self.options.view_as(WorkerOptions).max_num_workers or 1)
 
     def stopped(self, signum: int, output: str) -> str:
-        name, what = _SIGNALS.get(signum, (f"signal {signum}", "stopped"))
+        name, what = signal_words(signum)
         return (f"specsamp run: {what} ({name}); the submitted job keeps running and committing to "
                 f"{output}: cancel it (gcloud dataflow jobs cancel) before running the same command again")
 

@@ -20,6 +20,7 @@ import sys
 import threading
 
 _STOP = (signal.SIGINT, signal.SIGTERM)
+_NAMES = {signal.SIGINT: ("SIGINT", "interrupted"), signal.SIGTERM: ("SIGTERM", "terminated")}
 _LAUNCHER = "SPECSAMP_LAUNCHER_PID"  # set while a local job runs; worker processes inherit it
 _DONE = signal.SIGUSR2  # wakes the watcher when the job ends normally
 
@@ -46,6 +47,17 @@ def stops_cleanly(message):
         for s, handler in handlers.items():
             signal.signal(s, handler)
         os.environ.pop(_LAUNCHER, None)
+
+
+def signal_words(signum: int) -> tuple[str, str]:
+    """(the signal's name, what it did to the run) for a stop's line."""
+    return _NAMES.get(signum, (f"signal {signum}", "stopped"))
+
+
+def kept_in(output: str) -> str:
+    """What a stopped or failed run leaves, and how to go on (every runner commits whole
+    shards, so the same command resumes)."""
+    return f"the rows committed so far are kept in {output}; run the same command again to resume"
 
 
 def ignore_interrupts_in_worker() -> None:
