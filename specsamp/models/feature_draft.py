@@ -207,7 +207,7 @@ def save_feature_draft(folder: str, cfg: ModelConfig, params, target_fingerprint
 
 
 def is_feature_draft(path: str) -> bool:
-    from specsamp.loading import fs
+    from specsamp import fs
 
     return fs.kind_of(path.rstrip("/") + "/" + MANIFEST) == "file"
 
@@ -219,8 +219,8 @@ def load_feature_draft(path: str, target):
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
+    from specsamp import fs
     from specsamp.errors import UserError
-    from specsamp.loading import fs
 
     base = path.rstrip("/")
     with open(fs.local_file(f"{base}/{MANIFEST}")) as f:
