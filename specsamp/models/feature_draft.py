@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.models.argmax import first_argmax
-from specsamp.models.reductions import row_dot
 from specsamp.models.llama import (
     KVCache, Linear, ModelConfig, run_layers, setup_decoder,
 )
+from specsamp.reductions import row_dot
 
 BORROWED = ("embed", "lm_head", "head")
 
