@@ -14,4 +14,5 @@
 - `pipelines.stop`: SIGINT / SIGTERM as clean stops of a local or Dask run.
 - `pipelines.rows`: plain functions from prompt rows to work items and output rows.
 - `pipelines.summary`: the summary printed at the end of `specsamp run`.
+- `pipelines.command`: `specsamp run`, plugged into the CLI as an entry point (pyproject.toml).
 """

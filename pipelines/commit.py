@@ -22,7 +22,7 @@ import apache_beam as beam
 
 from schemas import COMPLETIONS, ERRORS
 from specsamp.errors import UserError
-from specsamp.loading.fs import filesystem, join
+from specsamp.fs import filesystem, join
 
 TEMP_MARK = ".tmp-"
 

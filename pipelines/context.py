@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from specsamp.loading import fs
+from specsamp import fs
 
 
 def context_length(target: str) -> int | None:

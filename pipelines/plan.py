@@ -21,7 +21,7 @@ from pipelines.rows import RunInfo
 from schemas import COMPLETIONS, ERRORS, SchemaMismatch, check_schema
 from specsamp import prompts
 from specsamp.errors import UserError
-from specsamp.loading.fs import ensure_dir, filesystem, glob, join
+from specsamp.fs import ensure_dir, filesystem, glob, join
 from specsamp.runconfig import RunConfig, Setting
 
 _ID_TYPES = (pa.string(), pa.large_string())

@@ -14,7 +14,7 @@ import dataclasses
 
 import pyarrow as pa
 
-from specsamp.loading.fs import filesystem
+from specsamp.fs import filesystem
 
 _TEXT = (pa.string(), pa.large_string())
 

@@ -13,7 +13,7 @@ import math
 
 from specsamp.analysis.outputs import live
 from specsamp.decoding import stats
-from specsamp.loading.fs import filesystem, glob, join
+from specsamp.fs import filesystem, glob, join
 from specsamp.runconfig import k_label
 
 _KEY = ["id", "draft", "k", "config_hash", "run_id"]

@@ -1,9 +1,15 @@
-"""The `specsamp` command line: one subcommand per module in `specsamp.commands`.
+"""The `specsamp` command line: one subcommand per module in `specsamp.commands`, plus
+those installed packages add through the entry point group `specsamp.commands`.
 
-Each command module defines `register(subparsers)` (adds its parser, whose defaults set
-`func`) and keeps its imports of heavy libraries (JAX, Beam) inside the handler, so that
+Each command defines `register(subparsers)` (adds its parser, whose defaults set `func`)
+and keeps its imports of heavy libraries (JAX, Beam) inside the handler, so that
 `specsamp --help` is instant. A `UserError` becomes one line on stderr and exit status 2,
 a `RunFailed` one line and exit status 1.
+
+`specsamp run` is such an entry point (`pipelines.command:register`, declared in
+pyproject.toml): the Beam pipeline package sits above the library and plugs its command
+in, so no module of `specsamp` imports `pipelines`. A checkout whose installed metadata
+predates an entry point lacks that command until `pip install -e .` runs again.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import sys
 
 from specsamp.errors import RunFailed, UserError
 
+ENTRY_POINTS = "specsamp.commands"
+# The order of `specsamp --help`, a run's workflow. A name is a module of
+# `specsamp.commands` or an entry point's name (`run`); one that neither provides is left
+# out, and entry points not named here come last.
 COMMANDS = (
     "generate",
     "bench",
@@ -26,7 +36,7 @@ COMMANDS = (
     "distill",
 )
 # Commands that compile JAX programs: they reuse compiled programs across runs.
-_COMPILING = ("generate", "bench", "audit", "run", "distill", "distill-data")
+_COMPILING = ("generate", "bench", "audit", "distill", "distill-data")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,15 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact speculative sampling for batch generation (JAX + Apache Beam).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"specsamp.commands.{name}")
-        except ModuleNotFoundError as e:  # a command still being built
-            if e.name != f"specsamp.commands.{name}":
-                raise
-            continue
-        module.register(sub)
+    plugins = _entry_points()
+    for name in (*COMMANDS, *sorted(set(plugins) - set(COMMANDS))):
+        register = _builtin(name) or (plugins[name].load() if name in plugins else None)
+        if register is not None:
+            register(sub)
     return parser
+
+
+def _builtin(name: str):
+    """`register` of the module `specsamp.commands.<name>`, or None where there is none."""
+    try:
+        module = importlib.import_module(f"specsamp.commands.{name}")
+    except ModuleNotFoundError as e:  # a plugin's command, or a command still being built
+        if e.name != f"specsamp.commands.{name}":
+            raise
+        return None
+    return module.register
+
+
+def _entry_points() -> dict:
+    """Commands that installed packages add: name -> entry point of its `register`."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import os
 import pyarrow as pa
 
 from specsamp.errors import UserError
-from specsamp.loading.fs import ensure_dir, filesystem, glob, join
+from specsamp.fs import ensure_dir, filesystem, glob, join
 
 # How an XSum article becomes a prompt; a custom template must contain "{document}".
 # Whether the chat template is applied on top is the run config's `chat` setting.

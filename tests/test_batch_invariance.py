@@ -1,6 +1,6 @@
 """A row's logits are bit for bit the same alone, in a call of up to 64 rows, as a K+1
 scoring block or one token at a time: on XLA's attention and the native kernel, over
-float32 and float16 caches (`specsamp.models.reductions` states why and how)."""
+float32 and float16 caches (`specsamp.reductions` states why and how)."""
 
 import functools
 

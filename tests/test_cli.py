@@ -137,3 +137,30 @@ def test_broken_checkpoint_is_one_line(spoil, message, tmp_path):
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert not any(files for _, _, files in os.walk(tmp_path / "cache")), "half-written cache"
+
+
+def test_run_comes_from_the_pipelines_entry_point(capsys):
+    """Catches `specsamp run` lost or changed in moving it out of the library: the entry
+    point pyproject.toml declares is the one installed (else run `pip install -e .`
+    again), and the command keeps its place in `specsamp --help`, its flags and its
+    pass-through of Beam options."""
+    import tomllib
+    from importlib.metadata import entry_points
+    from pathlib import Path
+
+    from specsamp.cli import ENTRY_POINTS, build_parser
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"][ENTRY_POINTS]
+    installed = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS)}
+    assert "run" in declared and installed == declared, (
+        f"installed {installed}, pyproject.toml declares {declared}: run pip install -e .")
+    parser = build_parser()
+    help_text = parser.format_help()
+    assert help_text.index(" prepare ") < help_text.index(" run ") < help_text.index(" report ")
+    args = parser.parse_args(["run", "--config", "c.yaml", "--limit", "3", "--runner", "DirectRunner"])
+    assert (args.config, args.limit, args.beam_args) == ("c.yaml", 3, ["--runner", "DirectRunner"])
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["run", "--help"])
+    assert stop.value.code == 0
+    assert "--retry-errors" in capsys.readouterr().out

@@ -16,7 +16,7 @@ import pytest
 
 from schemas import COMPLETIONS
 from specsamp.cli import main
-from specsamp.loading.fs import filesystem, glob
+from specsamp.fs import filesystem, glob
 from tests.pipeline_support import tiny_models
 
 BUCKET = "specsamp-test"

@@ -101,7 +101,7 @@ def _boundary_row():
     running mass + 1 ulp is covered by the top 256."""
     import jax
 
-    from specsamp.models.reductions import cumsum
+    from specsamp.reductions import cumsum
 
     for seed in range(100):
         probs = np.random.default_rng(seed).gamma(0.5, size=1000).astype(np.float32)

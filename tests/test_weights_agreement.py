@@ -1,10 +1,10 @@
 """Stored (quantized) weights against float32 on the real model: greedy output equal up
-to the first near-tie (the check `python -m specsamp.quant.agreement` runs on the bench
-prompts)."""
+to the first near-tie (the check `python -m specsamp.analysis.weights_agreement` runs on
+the bench prompts)."""
 
 import pytest
 
-from specsamp.quant.agreement import Agreement, first_divergence
+from specsamp.analysis.weights_agreement import Agreement, first_divergence
 
 
 def test_first_divergence():
@@ -21,7 +21,7 @@ def test_stored_greedy_equals_float32_up_to_near_ties():
     or kernel arithmetic): on bench prompts, greedy outputs agree token for token until
     a position where the float32 logits of the two candidates are within 0.01."""
     from specsamp.analysis.bench import humaneval_prompts, prose_prompts
-    from specsamp.quant.agreement import compare
+    from specsamp.analysis.weights_agreement import compare
 
     results = compare(humaneval_prompts(2) + prose_prompts(1), max_new_tokens=32)
     assert all(r.tokens >= 8 for r in results)

@@ -24,7 +24,7 @@ import posixpath
 
 from schemas import COMPLETIONS, ERRORS, SchemaMismatch, check_schema
 from specsamp.errors import UserError
-from specsamp.loading.fs import filesystem, glob, join
+from specsamp.fs import filesystem, glob, join
 
 COMPLETIONS_GLOB = "completions-*.parquet"
 ROW_KEY = ("id", "draft", "k", "config_hash")

@@ -9,7 +9,7 @@ Order (fixed; the draft and the target get the same transform):
 The arrays returned here are the very arrays a draft token is drawn from, the arrays in
 min(1, q/p), and the arrays in the residual (q - p)+. Nothing mutates them in between.
 
-Every sum and running sum here is `specsamp.models.reductions`' fixed-order one, so a row's
+Every sum and running sum here is `specsamp.reductions`' fixed-order one, so a row's
 probabilities and draws are bit for bit the same in any batch (a sample depends only on
 its seed and its logits).
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.models.argmax import first_argmax
-from specsamp.models.reductions import cumsum, softmax, tree_sum
+from specsamp.reductions import cumsum, softmax, tree_sum
 
 
 def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:

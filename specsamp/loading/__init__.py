@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specsamp import fs
 from specsamp.errors import UserError
-from specsamp.loading import fs
 
 if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help` stays instant
     from specsamp.loading.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass
 
 from specsamp.errors import UserError
-from specsamp.loading.fs import atomic_output, cache_dir
+from specsamp.fs import atomic_output, cache_dir
 
 
 @dataclass(frozen=True)

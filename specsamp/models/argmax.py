@@ -13,9 +13,9 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """argmax over the last axis, first index on ties (as jnp.argmax; a row holding a NaN
     gives V - 1 on the kernel, and on XLA whatever its max reduction makes of a NaN: the
     index of the largest other value, or V - 1). On one CPU device with the native kernels,
-    and a real vocabulary, one kernel call (`specsamp.quant.kernels.argmax`, ~0.3 ms less a
-    row of 49k logits); elsewhere two vectorised reductions (XLA:CPU's fused argmax is 3-4x
-    slower still)."""
+    and a real vocabulary, one kernel call (`specsamp.quant.kernels.argmax`: one pass over
+    the row where XLA makes three); elsewhere two vectorised reductions, which XLA:CPU runs
+    faster than its fused argmax (figures: docs/measurements.md, native kernels)."""
     from specsamp.quant import kernels
 
     if x.shape[-1] >= NATIVE_ARGMAX_FROM and kernels.on_one_cpu_device():

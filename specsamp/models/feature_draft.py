@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.models.argmax import first_argmax
-from specsamp.models.reductions import row_dot
 from specsamp.models.llama import (
     KVCache, Linear, ModelConfig, run_layers, setup_decoder,
 )
+from specsamp.reductions import row_dot
 
 BORROWED = ("embed", "lm_head", "head")
 
@@ -207,7 +207,7 @@ def save_feature_draft(folder: str, cfg: ModelConfig, params, target_fingerprint
 
 
 def is_feature_draft(path: str) -> bool:
-    from specsamp.loading import fs
+    from specsamp import fs
 
     return fs.kind_of(path.rstrip("/") + "/" + MANIFEST) == "file"
 
@@ -219,8 +219,8 @@ def load_feature_draft(path: str, target):
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
+    from specsamp import fs
     from specsamp.errors import UserError
-    from specsamp.loading import fs
 
     base = path.rstrip("/")
     with open(fs.local_file(f"{base}/{MANIFEST}")) as f:

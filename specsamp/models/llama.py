@@ -27,11 +27,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specsamp.models import reductions
+from specsamp import reductions
 from specsamp.models.config import ModelConfig
-from specsamp.models.reductions import softcap
 from specsamp.models.rope import apply_rope, rope_tables
 from specsamp.quant import dequantize_rows, is_quantized, matmul, matmul_many
+from specsamp.reductions import softcap
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "apply_rope", "init_cache", "init_params",
            "layer_rope", "rope_tables", "run_layers", "setup_decoder"]

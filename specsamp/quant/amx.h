@@ -2,7 +2,7 @@
 // into int32), for weights in the tile layout (`specsamp.quant.blocks`, layout "tiles").
 //
 // Why: on the AVX-512 path every row of x costs two FMAs per 32 weights, so scoring K + 1
-// tokens costs each further row ~15% of a step, and at one row the decoding of the codes
+// tokens costs each further row a share of a step, and at one row the decoding of the codes
 // (not the memory) bounds the step. A tile product takes 16 outputs x 32 inputs x up to 16
 // rows in one instruction, so further rows cost almost nothing, and the codes go to the tile
 // unit as bytes, with no conversion to float.
@@ -12,9 +12,9 @@
 // X = round(x / s_r), an absolute error of at most 2^-22 of the row's largest |x|, where
 // float32 itself holds that input to within 2^-24 of it), and X as three signed bytes
 // X = l0 + 2^8 l1 + 2^16 l2 (limbs; q4 calls of 8 rows or more write X as two pairs
-// instead, the same numbers: `Scheme`). Four limbs (X below 2^30, exact far below float32's
-// rounding) cost a third more tile traffic per row, and moving tiles bounds calls of many
-// rows: three took 11-15% off a 3072 x 576 product at 32 and 384 rows, 25% at 5 and 10.
+// instead, the same numbers: `Scheme`). Not four limbs (X below 2^30, exact far below
+// float32's rounding): they cost a third more tile traffic per row, and moving tiles bounds
+// calls of many rows (figures: docs/measurements.md, native kernels).
 // The tile unit sums code x limb over a block
 // of 32 inputs exactly (int32); per block and output the limbs' sums are combined into
 // the exact integer sum_i X_i q_i and rounded once to float (`accumulate`), the float
@@ -87,9 +87,9 @@ struct alignas(64) TileConfig {
 // (a + 16 b) q over the block; X = P0 + 2^12 P1 with P = a + 16 b, 8 rows a tile. Both
 // compute the same integer sum_i X_i q_i of a block exactly and round it once to float, so
 // they give the same bits; pairs move a third fewer tile rows per row of x and take 16 rows
-// a pass instead of 10, but unpack twice the codes per pass: slower below 8 rows (kernel
-// alone, 1536 x 576 Q4_1, one core: 1 row 0.87x, 5 rows 0.88-0.96x; 8 rows 1.16x, 32 rows
-// 1.17x; 576 x 1536 at 32 rows 1.31x).
+// a pass instead of 10, but unpack twice the codes per pass: so pairs from 8 rows on, where
+// the tile traffic saved outweighs the unpacking (`pairs_for`; figures:
+// docs/measurements.md, native kernels).
 template <bool Pairs>
 struct Scheme {
   static constexpr int kTileRows = Pairs ? 2 : 3;  // tile rows per row of x

@@ -16,9 +16,9 @@
 // the serial horizontal sum per slot was two thirds of the kernel's time. Query heads that
 // share a KV head go through its keys and values together (`attend_heads`).
 //
-// The cache holds float32 or float16 (IEEE half, stored as uint16_t bits). At batch 32 the
-// kernel is bound by reading the cache (further query heads on the same keys cost little):
-// float16 keys and values took a quarter off its time there, and half the memory. New keys
+// The cache holds float32 or float16 (IEEE half, stored as uint16_t bits). At large batches
+// the kernel is bound by reading the cache (further query heads on the same keys cost
+// little), so float16 keys and values save time there as well as half the memory. New keys
 // and values are rounded to half to nearest even (as XLA's conversion) and read back as
 // exact floats: all arithmetic stays float32, in the same order for both.
 
@@ -281,9 +281,9 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
       // room (the scratch has 16 spare entries).
       for (int64_t slot = first; slot <= last; slot += 16) {
         const int64_t n = slot + 16 <= s.slots ? 16 : last + 1 - slot;
-        // This block's values, for the weighted sums after the softmax: fetched while
-        // the scores compute, rather than on demand after them (float16 cache: 5-8% off
-        // steps of 8-32 rows; float32: no change).
+        // This block's values, for the weighted sums after the softmax: fetched while the
+        // scores compute, rather than on demand after them (docs/measurements.md, native
+        // kernels).
         for (int64_t e = 0; e < std::min<int64_t>(16, last + 1 - slot) * E; e += 64 / sizeof(KV))
           __builtin_prefetch(vc + slot * E + e);
         for (int64_t g = 0; g < G; ++g) fast.scores(qs[g], kc + slot * E, n, scores + g * stride + slot);
@@ -348,8 +348,8 @@ void write_cache(const Shape& s, const float* fresh, const int32_t* pos, KV* cac
     }
 }
 
-// (row, KV head) items from this many on (see AttendImpl): 6 items (2 rows) already split
-// evenly between two cores; one row's 3 did not.
+// (row, KV head) items from this many on (see AttendImpl): with fewer, items per (row,
+// query head) split more evenly between cores (docs/measurements.md, native kernels).
 constexpr int64_t kGroupedItems = 6;
 
 // Writes this call's keys/values into caches of element KV (the aliased outputs) and

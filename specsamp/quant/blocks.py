@@ -201,7 +201,7 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
         if kernels.supports(w):
             return kernels.qmatmul(x, w)
-    from specsamp.models.reductions import row_dot
+    from specsamp.reductions import row_dot
 
     w = _resolve(w)
     rows = _values(w, w.codes, w.scale, w.min)

@@ -6,14 +6,14 @@
 // after the call returned finds no item left and touches nothing else.
 //
 // Helpers: the kernels' own workers (one per core but the caller's), which keep spinning
-// for a short while after each call. A decode step makes ~250 kernel calls of 10-50 us
-// each, back to back; a sleeping thread takes longer than that to wake (XLA's pool wakes
-// one per task), so the caller used to do most of each call alone. Spinning workers are
-// there within a microsecond; after a few microseconds of spinning they yield the core at
-// each turn (XLA's own threads may need it), and sleep when no call came for
-// SPECSAMP_KERNEL_SPIN_US (default 2000). Where the workers are taken (two calls at once from different threads)
-// the call falls back to XLA's intra-op pool. SPECSAMP_KERNEL_HELPERS caps the helpers of
-// a call (0: the caller alone).
+// for a short while after each call. A decode step makes a few hundred short kernel calls
+// back to back, each shorter than a sleeping thread takes to wake (XLA's pool wakes one per
+// task), so with sleeping helpers the caller would do most of each call alone. Spinning
+// workers are there within a microsecond; after a few microseconds of spinning they yield
+// the core at each turn (XLA's own threads may need it), and sleep when no call came for
+// SPECSAMP_KERNEL_SPIN_US (default 2000). Where the workers are taken (two calls at once
+// from different threads) the call falls back to XLA's intra-op pool.
+// SPECSAMP_KERNEL_HELPERS caps the helpers of a call (0: the caller alone).
 
 #pragma once
 

@@ -137,11 +137,11 @@ inline void halves_to_floats(const uint16_t* h, int64_t count, float* out) {
 }
 
 // Software prefetch of the weights `kPrefetchRows` output rows ahead of the one being
-// summed (codes, scales, minimums), into L1. A pass over few rows is bound by how fast
-// the weights arrive; each core's hardware prefetchers left the kernels at ~4.5 GB/s per
-// core on the embedded model's layers (the machine streams ~23 GB/s on 2 cores), and
-// 16 rows ahead made gate + up at 1-4 rows 15-25% faster (cold caches, 2 cores); 8 and 32
-// gained less (the last rows prefetch the matrix's last rows again).
+// summed (codes, scales, minimums), into L1. A pass over few rows is bound by how fast the
+// weights arrive, and the hardware prefetchers alone leave each core well below the
+// machine's streaming bandwidth. 16 rows ahead: nearer gains less of that, farther gains
+// less too (the last rows prefetch the matrix's last rows again); docs/measurements.md,
+// native kernels.
 constexpr int64_t kPrefetchRows = 16;
 
 inline void prefetch_bytes(const void* start, int64_t bytes) {
@@ -203,8 +203,9 @@ void q4_avx512_tile(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   }
 }
 
-// Output rows n0..n1 in pairs where the pass has rows enough to pay (measured: 4 or more),
-// an odd last one alone.
+// Output rows n0..n1 in pairs where the pass has rows enough for each loaded input vector
+// feeding two outputs to pay (4 or more: docs/measurements.md, native kernels), an odd last
+// one alone.
 template <int NR>
 void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   const int64_t paired = NR >= 4 ? n0 + (n1 - n0) / 2 * 2 : n0;
@@ -212,8 +213,9 @@ void q4_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
   if (paired < n1) q4_avx512_tile<1, NR>(p, paired, n1, r0);
 }
 
-// q8 takes one output row per pass: pairs need more registers than its decode leaves
-// (measured: 0.35 against 0.57 FMAs per cycle on the 49,152 x 576 head).
+// q8 takes one output row per pass: pairs need more registers than its decode leaves, and
+// spilling them loses more than the shared input loads gain (docs/measurements.md, native
+// kernels).
 template <int NR>
 __attribute__((target("avx512f,f16c,fma")))
 void q8_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
@@ -418,17 +420,16 @@ Choice pick(bool q4, bool tiles, bool pairs, int64_t block, int64_t cols, int64_
 #else
   (void)tiles, (void)pairs;  // `problem` refuses the tile layout in a build without the tile path
 #endif
-  // A pass's rows of x should stay in L1 (~40 KB) while the pass sweeps its weight rows
-  // (6 of 1536 inputs: 20% faster than 12). AVX-512 q4 passes take 6 rows for 2 output
-  // rows at once: 8-20% faster than 12 rows for one (single core, 576 and 1536 inputs).
+  // A pass's rows of x should stay in L1 (~40 KB) while the pass sweeps its weight rows:
+  // `fit` rows of `cols` inputs. AVX-512 q4 passes take 6 rows for 2 output rows at once
+  // rather than 12 rows for one (docs/measurements.md, native kernels).
   const int64_t fit = std::max<int64_t>(1, 10240 / cols);
 #ifdef SPECSAMP_X86
   const int level = specsamp::isa();
-  // The many-row path (q4gemm.h) from 24 rows, for up to 1,024 inputs: there it is 15-20%
-  // faster (prefill, batch 8 x 200 tokens, profiled; 1,536 x 576 on one core: 0.62 against
-  // 0.66 FMAs per cycle at 16 rows, even at 24, 0.73 against 0.57-0.63 at 32). With 1,536
-  // inputs 6 rows' inputs no longer stay in L1 and it was 15% slower. (Q8_0 the same way,
-  // tried on the head: slower at 16 and 32 rows, its decoding gathers twice the bytes.)
+  // The many-row path (q4gemm.h) from 24 rows, for up to 1,024 inputs, where decoding each
+  // block once for all rows gains over the row passes; with more inputs its rows' inputs no
+  // longer stay in L1. Q4 only: Q8_0's decoding gathers twice the bytes
+  // (docs/measurements.md, native kernels).
   const bool gemm = q4 && n % 16 == 0 && cols <= 1024 && rows >= 24;
   if (level == 2 && (q4 || block % 16 == 0) && cols / block <= kMaxBlocks)
     return {q4 ? q4_avx512_rows : q8_avx512_rows, std::min<int64_t>(q4 ? 6 : 12, fit),
@@ -472,8 +473,7 @@ specsamp::amx::Limbs prepare_limbs(const Problem& first, ffi::ThreadPool& pool) 
 void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   // Output rows per item: 128 for calls of a few rows (decode steps at small batch), where
   // an item is a stream of weights and a longer one keeps each core's prefetching going
-  // (whole step at batch 1, alone, 5 interleaved pairs: median 10.1 -> 9.4 ms; 96 and 192
-  // were no better), 64 otherwise.
+  // (docs/measurements.md, native kernels), 64 otherwise.
   const int64_t chunk = problems.front().rows < 8 ? 128 : 64;
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
@@ -588,8 +588,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
 
 // ---- argmax over a row of logits (greedy tokens): the first index of the largest value,
 // V - 1 for a row holding a NaN; on rows without one, what
-// `specsamp.models.argmax.first_argmax` computes in XLA, where max, compare and min
-// over a 49,152-token vocabulary took ~0.3 ms a row.
+// `specsamp.models.argmax.first_argmax` computes in XLA with three passes (max, compare,
+// min) where this is one.
 int32_t argmax_portable(const float* x, int64_t v) {
   int64_t best = 0;
   for (int64_t i = 0; i < v; ++i) {

@@ -6,7 +6,7 @@ be equal up to the first near-tie: where the two sequences first differ, the flo
 model's logits of the two competing tokens must be within `tolerance`; any wider gap is a
 real difference (a wrong weight, a kernel bug) and fails the check.
 
-    python -m specsamp.quant.agreement --prompts humaneval --limit 8 --max-new-tokens 128
+    python -m specsamp.analysis.weights_agreement --prompts humaneval --limit 8 --max-new-tokens 128
 """
 
 from __future__ import annotations

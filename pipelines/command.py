@@ -1,4 +1,9 @@
-"""`specsamp run --config FILE [--input ...] [--output ...] [Beam options...]`: the pipeline."""
+"""`specsamp run --config FILE [--input ...] [--output ...] [Beam options...]`: the pipeline.
+
+The pipeline's subcommand of the `specsamp` CLI. The library sits below `pipelines` and
+never imports it: `pyproject.toml` registers `register` in the entry point group
+`specsamp.commands`, which `specsamp.cli` reads from the installed package's metadata.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +53,9 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from pipelines.generate import run
+    from specsamp.compilation import enable_compilation_cache
 
+    enable_compilation_cache()  # as for the CLI's own compiling commands (specsamp.cli)
     argv = ["--config", args.config]
     for flag in ("input", "output", "limit", "retry_errors"):
         if getattr(args, flag) is not None:
