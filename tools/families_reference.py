@@ -23,6 +23,12 @@ shorter than the 32-token test prompt, so masks that cut or ignore the window sh
                    vision_tower.vision_model.*, multi_modal_projector.*); the reference is the
                    text logits of a text-only prompt, checked to reload identically
 
+tiny_spm.json: two SentencePiece BPE vocabularies (byte fallback, identity normalization,
+with and without the dummy space prefix) trained here by the `sentencepiece` package, as a
+GGUF file stores them (tokens, scores, token types, add_space_prefix, unknown id), and
+SentencePiece's own ids and decoded text for a few hundred strings (code, prose, unicode
+outside the vocabulary, whitespace runs, tabs, newlines).
+
 reference.npz: tokens int32 [32], logits float32 [32, 300] (one pass, no cache, eager
 attention), greedy int32 [64] (generate, greedy, no EOS stop, with transformers' cache),
 greedy_margin float32 [64] (top-1 minus top-2 logit at each step, recomputed without the
@@ -159,7 +165,7 @@ def families(out: Path, init, to_np, only=None) -> dict:
     float32 numpy arrays. Returns a summary."""
     summary = {}
     for name, (cls, cfg, seed) in _specs().items():
-        if only and name not in only:
+        if only is not None and name not in only:
             continue
         model = _new_model(cls, cfg, seed, init)
         d = out / name
@@ -171,7 +177,7 @@ def families(out: Path, init, to_np, only=None) -> dict:
         if name == "tiny_gemma3":
             _gemma3_v4_style(d / "config.json")
         summary[name] = _reference(d, cls, model, cfg.vocab_size, seed, to_np)
-    if not only or "tiny_gemma3_mm" in only:
+    if only is None or "tiny_gemma3_mm" in only:
         summary["tiny_gemma3_mm"] = gemma3_multimodal(out / "tiny_gemma3_mm", init, to_np)
     return summary
 
@@ -229,6 +235,57 @@ def gemma3_multimodal(d: Path, init, to_np) -> dict:
     return _reference(d, Gemma3ForConditionalGeneration, model, text["vocab_size"], seed, to_np)
 
 
+def _spm_texts(rng: np.random.RandomState) -> tuple[list[str], list[str]]:
+    """(training lines, test strings): Python's own sources and docstrings, and made-up
+    strings with what a vocabulary of a few hundred pieces lacks."""
+    import inspect
+    import textwrap
+
+    import argparse as m1, json as m2, textwrap as m3, pathlib as m4  # noqa: E401
+    lines = []
+    for mod in (m1, m2, m3, m4):
+        lines += [ln for ln in inspect.getsource(mod).splitlines() if ln.strip()]
+    train, held = lines[::2], lines[1::2]
+    extra = ["naïve café — “quotes” ß ü Ω 中文 日本語", "emoji: 😀🚀👍🏽 ❤️", "  leading", "trailing  ",
+             "a\tb\t\tc", "two\nlines\n", "\n\n\n", " ", "   ", "", "x", "Ωmega", "0xFF 3.14159",
+             "tab\t and  double  spaces", "\u2581 literal block", "ﬁ ligature", "e\u0301 combining"]
+    picked = [held[i] for i in rng.choice(len(held), 240, replace=False)]
+    mixed = [held[i][: rng.randint(1, 40)] + rng.choice(extra) for i in rng.choice(len(held), 60)]
+    return train + [textwrap.dedent(t) for t in extra[:3]], extra + picked + mixed
+
+
+def spm_reference(out: Path) -> dict:
+    """tiny_spm.json (see the module's doc)."""
+    import io
+
+    import sentencepiece as spm
+
+    train, texts = _spm_texts(np.random.RandomState(31))
+    models = {}
+    for name, prefix in (("prefix", True), ("no_prefix", False)):
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(train), model_writer=buf, model_type="bpe", vocab_size=600,
+            byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=prefix,
+            remove_extra_whitespaces=False, character_coverage=0.995, split_digits=True,
+            minloglevel=2)
+        sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+        ids = range(sp.get_piece_size())
+        # SentencePiece's piece types (GGUF's numbering): 1 normal, 2 unknown, 3 control, 6 byte
+        types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+                 else 5 if sp.is_unused(i) else 1 for i in ids]
+        cases = [[t, sp.encode(t), sp.decode(sp.encode(t))] for t in texts]
+        models[name] = {"tokens": [sp.id_to_piece(i) for i in ids],
+                        "scores": [sp.get_score(i) for i in ids], "token_types": types,
+                        "add_space_prefix": prefix, "unk_id": sp.unk_id(), "cases": cases}
+    (out / "tiny_spm.json").write_text(json.dumps(
+        {"sentencepiece": spm.__version__, "models": models}, ensure_ascii=False) + "\n")
+    return {name: {"pieces": len(m["tokens"]), "cases": len(m["cases"]),
+                   "byte_fallbacks": sum(any(m["token_types"][i] == 6 for i in c[1])
+                                         for c in m["cases"])}
+            for name, m in models.items()}
+
+
 if __name__ == "__main__":  # regenerate some folders: families_reference.py NAME... [--out DIR]
     import argparse
     import sys
@@ -239,5 +296,7 @@ if __name__ == "__main__":  # regenerate some folders: families_reference.py NAM
     ap.add_argument("names", nargs="+")
     ap.add_argument("--out", default=str(REPO / "tests" / "data"))
     args = ap.parse_args()
-    print(json.dumps(families(Path(args.out), _init_big, _np_f32, set(args.names)), indent=1),
-          file=sys.stdout)
+    summary = families(Path(args.out), _init_big, _np_f32, set(args.names) - {"tiny_spm"})
+    if "tiny_spm" in args.names:
+        summary["tiny_spm"] = spm_reference(Path(args.out))
+    print(json.dumps(summary, indent=1), file=sys.stdout)
