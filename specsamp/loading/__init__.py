@@ -191,13 +191,10 @@ def _load_hf(path: str, dtype: str, int8: bool):
         path = str(fs.mirror([f"{shards_at}/{n}" for n in names if n in FILES]))
     elif not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"no model at {path}: a Hugging Face folder needs a config.json")
-    ckpt = open_hf(path, shards_at)
-    try:
+    with open_hf(path, shards_at) as ckpt:
         dtype = resolve_dtype(dtype, ckpt.stored_dtype())
         flat = ckpt.params("float32" if int8 else dtype)
         return ckpt.cfg, flat, ckpt.tokenizer(), dtype
-    finally:
-        ckpt.close()
 
 
 def _load_gguf(path: str, stored: bool):

@@ -5,6 +5,8 @@ A folder holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), tokenizer.json and optionally tokenizer_config.json,
 generation_config.json and chat_template.jinja. Weights are [out, in] (PyTorch); our Dense
 kernels are [in, out]. Q and K are already in rotate-half order: nothing to unpermute.
+The shards of a remote folder are read where they are (`open_hf(local, shards_at=url)`),
+its small files from a local copy.
 """
 
 from __future__ import annotations
@@ -32,12 +34,9 @@ _LAYER_WEIGHTS = LAYER_WEIGHTS  # Llama's names (the draft exporter writes them)
 
 def read_hf(folder: str, with_tokenizer: bool = True, dtype="float32"):
     """(config, flat dict of numpy arrays at `dtype`, tokenizer or None) from a local folder."""
-    ckpt = open_hf(folder)
-    try:
+    with open_hf(folder) as ckpt:
         params = ckpt.params(np.dtype(dtype))
         return ckpt.cfg, params, ckpt.tokenizer() if with_tokenizer else None
-    finally:
-        ckpt.close()
 
 
 def open_hf(folder: str, shards_at: str | None = None) -> "HFCheckpoint":
@@ -55,11 +54,13 @@ class HFCheckpoint:
         self.folder, self.model_config, self.cfg, self.shards = folder, model_config, cfg, shards
 
     def stored_dtype(self) -> str:
-        """The float type most of the weight bytes are stored in ('bfloat16', ...)."""
+        """The float type most of the model's weight bytes are stored in ('bfloat16', ...);
+        tensors the model does not use (a vision tower) do not count."""
+        where = _where(self.shards)
         by_type: dict = {}
-        for f in self.shards:
-            for dtype, _, begin, end in f.entries.values():
-                by_type[np.dtype(dtype).name] = by_type.get(np.dtype(dtype).name, 0) + end - begin
+        for name in _destinations(self.cfg, where).keys() & where.keys():
+            dtype, _, begin, end = where[name].entries[name]
+            by_type[np.dtype(dtype).name] = by_type.get(np.dtype(dtype).name, 0) + end - begin
         return max(by_type, key=by_type.get) if by_type else "float32"
 
     def params(self, dtype) -> dict:
@@ -83,6 +84,12 @@ class HFCheckpoint:
     def close(self) -> None:
         for f in self.shards:
             f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _read_json(folder: str, name: str, required: bool = False) -> dict:
@@ -136,6 +143,11 @@ _LAYOUTS = (("model.", ""), ("language_model.model.", "language_model."),
             ("model.language_model.", ""))
 
 
+def _where(shards: list) -> dict:
+    """{tensor name: the shard holding it}."""
+    return {key: f for f in shards for key in f.keys()}
+
+
 def _destinations(cfg: ModelConfig, names) -> dict:
     """HF weight name -> (our flat key, layer index or None, transposed), under the layout
     whose embedding is among `names` (the first layout's if none is)."""
@@ -159,7 +171,7 @@ def _params(folder: str, shards: list, cfg: ModelConfig, dtype) -> dict:
     then its pages are released: the peak is the result plus one tensor (plus two bounded
     pieces of a remote one). Tensors the model does not use are not read. A progress line
     per shard; each shard is closed once read."""
-    where = {key: f for f in shards for key in f.keys()}
+    where = _where(shards)
     wanted = _destinations(cfg, where)
     missing = [name for name in wanted if name not in where]
     if missing:
