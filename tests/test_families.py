@@ -24,6 +24,7 @@ from specsamp.decoding.factory import build_drafter
 from specsamp.errors import UserError
 from specsamp.loading import load_model
 from specsamp.loading.families import config_from_hf
+from specsamp.loading.hf import open_hf
 from specsamp.models.config import ModelConfig
 from specsamp.models.model import Model
 from specsamp.quant import kernels
@@ -31,7 +32,7 @@ from specsamp.testing import write_gguf, write_tiny_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FAMILIES = ["tiny_llama3", "tiny_qwen3", "tiny_qwen3_yarn", "tiny_mistral", "tiny_gemma2",
-            "tiny_gemma3"]
+            "tiny_gemma3", "tiny_gemma3_mm"]
 ATTENTION = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
     kernels.load() is not None, reason="native kernels not built"))]
 
@@ -120,6 +121,37 @@ def test_gguf_equals_its_hf_folder(family, tmp_path):
     want, _ = Model(cfg).forward(m.params, tokens, positions, Model(cfg).init_cache(1, t))
     got, _ = Model(g.cfg).forward(g.params, tokens, positions, Model(g.cfg).init_cache(1, t))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_gemma3_multimodal_reads_the_text_model_only(tmp_path, monkeypatch):
+    """Catches a Gemma3ForConditionalGeneration folder read beyond its text model (the
+    vision tower's bytes touched, or its float32 bytes deciding the stored type) or only
+    under one naming: the published names (language_model.model.*) and transformers >=
+    4.52's (model.language_model.*) give the same parameters, and no vision_tower or
+    multi_modal_projector tensor is read."""
+    from safetensors.numpy import load_file, save_file
+
+    from specsamp.loading.safetensors_file import SafetensorsFile
+
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path / "cache"))
+    read = []
+    pieces = SafetensorsFile.pieces
+    monkeypatch.setattr(SafetensorsFile, "pieces", lambda f, name: read.append(name) or pieces(f, name))
+    hub = shutil.copytree(os.path.join(DATA, "tiny_gemma3_mm"), tmp_path / "hub")
+    write_tiny_tokenizer(str(hub))
+    renamed = shutil.copytree(hub, tmp_path / "v5")
+    weights = load_file(str(hub / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in weights)
+    big = {"vision_tower.vision_model.unused": np.zeros((512, 1024), np.float32)}
+    save_file({k.replace("language_model.model.", "model.language_model.", 1): v
+               for k, v in {**weights, **big}.items()}, str(renamed / "model.safetensors"))
+    a = load_model(str(hub))
+    assert read and not [n for n in read if not n.startswith("language_model.model.")]
+    b = load_model(str(renamed))
+    assert a.cfg == b.cfg and a.cfg.n_layers == 2 and a.cfg.vocab_size == 300
+    with open_hf(str(renamed)) as ckpt:
+        assert ckpt.stored_dtype() == "bfloat16"
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a.params, b.params))
 
 
 def _config(name):

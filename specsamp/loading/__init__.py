@@ -22,8 +22,10 @@ accelerator, bfloat16 for a Hugging Face checkpoint stored in bfloat16 or float1
 has float32's range, so a float16 checkpoint converts without overflow), float32 otherwise.
 Quantized weights ("stored" GGUF blocks, "int8") stay in their blocks at any dtype; their
 products come out in the run's dtype. A Hugging Face checkpoint is read tensor by tensor,
-each converted once to the run's dtype (`hf.read_hf`), and placed as it is converted
-(`_to_jax_tree`): the peak is the weights at the run's dtype plus one stacked tensor.
+each converted once to the run's dtype (`hf.open_hf`), and placed as it is converted
+(`_to_jax_tree`): the peak is the weights at the run's dtype plus one stacked tensor. A
+remote folder's shards are read where they are, by ranged reads (no local copy); its small
+files (config, tokenizer) are copied into the cache.
 """
 
 from __future__ import annotations
@@ -101,16 +103,14 @@ def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "a
     start = time.perf_counter()
     name = spec or DEFAULT_MODEL
     stored = check_weights(weights) == "stored"
-    # int8 rounds the float32 weights: those are read first, the rest cast afterwards.
-    read_as = "float32" if weights == "int8" else check_dtype(dtype)
+    check_dtype(dtype)
     if name == DEFAULT_MODEL:
         from specsamp.loading.download import ensure_smollm2
 
         cfg, flat, tokenizer = _load_gguf(ensure_smollm2(), stored)
-        stored_as = None
+        dtype = resolve_dtype(dtype, None)
     else:
-        cfg, flat, tokenizer, stored_as = _load_path(name, stored, read_as)
-    dtype = resolve_dtype(dtype, stored_as)
+        cfg, flat, tokenizer, dtype = _load_path(name, stored, dtype, weights == "int8")
     if weights == "int8":
         flat = _int8(flat)
     params = _to_jax_tree(flat, cfg, name, dtype, mesh)
@@ -142,10 +142,17 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name} does not share the target's vocabulary: token {i} is "
             f"{t.token_text(i)!r} in the target, {d.token_text(i)!r} in the draft "
             f"({t.vocab_size} and {d.vocab_size} tokens); pick a draft from the same model family")
-    if draft.cfg.vocab_size > target.cfg.vocab_size:
+    check_draft_head(draft.cfg.vocab_size, target.cfg.vocab_size, draft.name)
+
+
+def check_draft_head(draft_rows: int, target_rows: int, draft_name: str = "") -> None:
+    """A draft's head may have fewer rows than the target's (its logits are padded), not
+    more: its extra ids exist in neither vocabulary for the target. The one place this
+    refusal is worded."""
+    if draft_rows > target_rows:
         raise UserError(
-            f"draft {draft.name} has {draft.cfg.vocab_size} output rows but the target has "
-            f"{target.cfg.vocab_size}; the draft's head may not be larger than the target's")
+            f"draft {draft_name or 'model'} has {draft_rows} output rows but the target has "
+            f"{target_rows}; the draft's head may not be larger than the target's")
 
 
 def first_different_token(a: Tokenizer, b: Tokenizer) -> int:
@@ -156,9 +163,10 @@ def first_different_token(a: Tokenizer, b: Tokenizer) -> int:
     return min(a.vocab_size, b.vocab_size)  # same tokens: they differ in what the ids mean
 
 
-def _load_path(path: str, stored: bool, dtype: str):
-    """(cfg, flat params, tokenizer, the stored float type or None); a Hugging Face
-    folder's floats come at `dtype` ("auto" resolved for its stored type)."""
+def _load_path(path: str, stored: bool, dtype: str, int8: bool):
+    """(cfg, flat params, tokenizer, the run's dtype: `dtype` with "auto" resolved for
+    what the checkpoint stores); a Hugging Face folder's floats come at that dtype, or at
+    float32 for `int8` (which rounds the float32 weights; the rest is cast afterwards)."""
     path = path.removeprefix("file://")
     kind = fs.kind_of(path)
     if kind == "missing":
@@ -166,24 +174,27 @@ def _load_path(path: str, stored: bool, dtype: str):
     if kind == "file":
         if not path.lower().endswith(".gguf"):
             raise UserError(f"{path}: expected a .gguf file or a Hugging Face folder")
-        return (*_load_gguf(fs.local_file(path), stored), None)
-    return _load_hf(path, dtype)
+        return (*_load_gguf(fs.local_file(path), stored), resolve_dtype(dtype, None))
+    return _load_hf(path, dtype, int8)
 
 
-def _load_hf(path: str, dtype: str):
-    from specsamp.loading.hf import FILES, read_hf, stored_dtype
+def _load_hf(path: str, dtype: str, int8: bool):
+    from specsamp.loading.hf import FILES, open_hf
 
+    shards_at = None
     if fs.is_remote(path):
-        # Copy the files the loader reads (shards included) and read the local copy.
+        # The small files are copied; the shards are read where they are.
         names = fs.list_dir(path)
         if "config.json" not in names:
             raise UserError(f"no model at {path}: no config.json there")
-        wanted = [n for n in names if n in FILES or n.endswith(".safetensors")]
-        path = str(fs.mirror([f"{path.rstrip('/')}/{n}" for n in wanted]))
+        shards_at = path.rstrip("/")
+        path = str(fs.mirror([f"{shards_at}/{n}" for n in names if n in FILES]))
     elif not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"no model at {path}: a Hugging Face folder needs a config.json")
-    stored = stored_dtype(path)
-    return (*read_hf(path, dtype=resolve_dtype(dtype, stored)), stored)
+    with open_hf(path, shards_at) as ckpt:
+        dtype = resolve_dtype(dtype, ckpt.stored_dtype())
+        flat = ckpt.params("float32" if int8 else dtype)
+        return ckpt.cfg, flat, ckpt.tokenizer(), dtype
 
 
 def _load_gguf(path: str, stored: bool):

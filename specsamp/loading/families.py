@@ -6,7 +6,10 @@ defaults transformers gives a config that leaves them out.
 Supported: Llama (1-3.x; RoPE scaling 'llama3', 'linear', 'yarn'), Mistral (a sliding
 window on every layer), Qwen2/2.5 (q/k/v biases; windows from `max_window_layers` when
 `use_sliding_window`), Qwen3 (q/k norms), Gemma 2 and Gemma 3 text (see
-`specsamp.models.config` for what each feature computes).
+`specsamp.models.config` for what each feature computes), and the text model of
+Gemma3ForConditionalGeneration (how Gemma 3 4B/12B/27B are published: the text model's
+settings in `text_config`, its weights under `language_model.model.`; the vision tower and
+projector are not read).
 """
 
 from __future__ import annotations
@@ -28,7 +31,20 @@ _FAMILIES = {
     "Gemma3ForCausalLM": {**_GEMMA, "qk_norm": True, "window_on": "pattern",
                           "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
 }
-ARCHITECTURES = tuple(_FAMILIES)
+# Multimodal checkpoints whose text model we run: architecture -> (the text model's
+# architecture, the defaults of its `text_config`, which the published configs leave out).
+# Gemma3TextConfig's defaults (transformers 4.50-5.x); rope_theta, rope_local_base_freq and
+# sliding_window_pattern default as for Gemma3ForCausalLM (`_FAMILIES`, `_windows`).
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+}
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _GEMMA3_TEXT_DEFAULTS)}
+ARCHITECTURES = (*_FAMILIES, *_MULTIMODAL)
 
 # HF per-layer weight -> our path under `layers` (kernels are transposed to [in, out]):
 # Llama's names, which every family shares.
@@ -70,12 +86,29 @@ def layer_weights(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
+def text_config(c: dict) -> dict:
+    """The config of the text model: `c` itself, or a multimodal checkpoint's text_config
+    with the defaults it leaves out filled in (tie_word_embeddings is read at the top
+    level, as transformers ties a multimodal model's head)."""
+    arch = (c.get("architectures") or ["?"])[0]
+    if arch not in _MULTIMODAL:
+        return c
+    text_arch, defaults = _MULTIMODAL[arch]
+    text = {**defaults, **(c.get("text_config") or {}), "architectures": [text_arch]}
+    text["tie_word_embeddings"] = c.get("tie_word_embeddings",
+                                        text.get("tie_word_embeddings", True))
+    return text
+
+
 def config_from_hf(c: dict) -> ModelConfig:
+    c = text_config(c)
     arch = (c.get("architectures") or ["?"])[0]
     if arch not in _FAMILIES:
         raise UserError(f"architecture {arch!r} is not supported "
                         f"(supported: {', '.join(ARCHITECTURES)})")
     family = _FAMILIES[arch]
+    if c.get("use_bidirectional_attention"):
+        raise UserError("bidirectional attention (an embedding model) is not supported")
     activation = _activation(c, family)
     n_heads = int(c["num_attention_heads"])
     n_layers = int(c["num_hidden_layers"])

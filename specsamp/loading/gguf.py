@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from specsamp.errors import UserError
-from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf
+from specsamp.loading.tokenizer import Tokenizer, TokenizerMeta, bpe_from_gguf, spm_from_gguf
 from specsamp.models.llama import ModelConfig
 
 _GEMMA = {"embed_scale": True, "post_norms": True, "activation": "gelu_tanh"}
@@ -279,16 +279,21 @@ def _params(tensors: dict, cfg: ModelConfig, permuted_qk: bool, stored: bool = F
 
 def _tokenizer(meta: _Metadata) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UserError(f"GGUF tokenizer model {model!r} is not supported (supported: gpt2, "
-                        "i.e. byte-level BPE); load the model from its Hugging Face folder instead")
+                        "i.e. byte-level BPE, and llama, i.e. SentencePiece BPE); load the "
+                        "model from its Hugging Face folder instead")
     tokens = meta.strings("tokenizer.ggml.tokens")
     types = meta.ints("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in meta.fields \
         else [1] * len(tokens)
-    tk = bpe_from_gguf(tokens, meta.strings("tokenizer.ggml.merges"), types,
-                       meta.get("tokenizer.ggml.pre", "default"))
     ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id")
            for name in ("bos", "eos", "eot", "eom", "unknown", "padding")}
+    if model == "gpt2":
+        tk = bpe_from_gguf(tokens, meta.strings("tokenizer.ggml.merges"), types,
+                           meta.get("tokenizer.ggml.pre", "default"))
+    else:  # llama.cpp's default for a SentencePiece vocabulary: a space before the text
+        tk = spm_from_gguf(tokens, [float(x) for x in meta.get("tokenizer.ggml.scores")], types,
+                           bool(meta.get("tokenizer.ggml.add_space_prefix", True)), ids["unknown"])
     specials = {f"{name}_token": tokens[i] for name, i in
                 (("bos", ids["bos"]), ("eos", ids["eos"]), ("unk", ids["unknown"]),
                  ("pad", ids["padding"])) if i is not None and 0 <= i < len(tokens)}

@@ -2,7 +2,9 @@
 
 The work is done by the `tokenizers` library (the engine behind Hugging Face's fast
 tokenizers), so ids match Hugging Face exactly. A GGUF file stores the vocabulary, merges and
-a pre-tokenizer *name*; `bpe_from_gguf` rebuilds the equivalent `tokenizers` pipeline.
+a pre-tokenizer *name*; `bpe_from_gguf` rebuilds the equivalent `tokenizers` pipeline. A
+SentencePiece vocabulary in GGUF (tokens, scores, types: Gemma, Llama 1/2) becomes the
+`tokenizers` pipeline of SentencePiece's BPE (`spm_from_gguf`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from specsamp.errors import UserError
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
               "<end_of_turn>", "<|eom_id|>")
 
-# GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
-_CONTROL, _USER_DEFINED = 3, 4
+# GGUF token types (llama.cpp, SentencePiece's numbering): 1 = normal, 3 = control (special),
+# 4 = user-defined (added, not special).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 # Hugging Face's `clean_up_tokenization` replacements, applied in this order.
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -183,13 +186,61 @@ def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int], 
     tk = HFTokenizer(bpe)
     tk.pre_tokenizer = _pre_tokenizer(pre)
     tk.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, k in zip(tokens, token_types) if k == _CONTROL]
-    added = [AddedToken(t, special=False, normalized=False)
-             for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
-    tk.add_special_tokens(special)
-    tk.add_tokens(added)
+    return _with_added(tk, tokens, token_types)
+
+
+def _with_added(tk, tokens: list[str], token_types: list[int]):
+    """Control tokens as special tokens, user-defined ones as added tokens: both matched
+    whole in the raw text, as llama.cpp matches them."""
+    from tokenizers import AddedToken
+
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, token_types) if k == _CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, k in zip(tokens, token_types) if k == _USER_DEFINED])
     return tk
+
+
+def spm_from_gguf(tokens: list[str], scores: list[float], token_types: list[int],
+                  add_space_prefix: bool, unk_id: int | None):
+    """SentencePiece's BPE ('llama' model in GGUF) as a `tokenizers` pipeline: spaces as
+    '▁' (and one before the text, or after a special token, with `add_space_prefix`, as
+    llama.cpp does), then adjacent pieces merged, always the pair whose merged piece has
+    the highest score, until none is in the vocabulary; a character outside it becomes its
+    UTF-8 bytes' <0xNN> tokens. The merges are ranked by their result's score (then id):
+    equal scores of different pieces, which BPE training does not give, may break ties
+    otherwise than SentencePiece's leftmost-first."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    bpe = models.BPE(vocab, _merges_by_score(tokens, scores, token_types),
+                     unk_token=tokens[unk_id] if unk_id is not None else None,
+                     fuse_unk=True, byte_fallback=True)
+    tk = HFTokenizer(bpe)
+    spaces = [normalizers.Replace(" ", "\u2581")]
+    tk.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), *spaces] if add_space_prefix else spaces)
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return _with_added(tk, tokens, token_types)
+
+
+def _merges_by_score(tokens, scores, token_types) -> list[tuple[str, str]]:
+    """Every (left, right) whose concatenation is a normal piece, both halves normal
+    pieces, best merged piece first."""
+    normal = {t: i for i, (t, k) in reversed(list(enumerate(zip(tokens, token_types))))
+              if k == _NORMAL}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], i, normal[left], normal[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _pre_tokenizer(pre: str):
