@@ -5,8 +5,9 @@ Beam's own IO reads and writes the tables inside a job; this module is for the c
 small reads done on the launching machine before and after a job (prompt preparation,
 input validation, resume scans, the summary, the report) and for model files.
 
-Readers of checkpoints (GGUF memory-maps its file, safetensors opens by name) want local
-files, so a remote checkpoint is copied once into the cache and read from there. The copy
+A remote GGUF file (memory-mapped when read) and a remote checkpoint's small files (config,
+tokenizer, shard index) are copied once into the cache and read from there; safetensors
+shards are not copied but read in place with ranged reads (`specsamp.loading.hf`). A copy
 is keyed by the URL and the remote file's size and version stamp, so a changed file is
 fetched again and an unchanged one is not.
 """

@@ -108,7 +108,7 @@ def _read_json(folder: str, name: str, required: bool = False) -> dict:
 def _open_shards(folder: str, shards_at: str | None) -> list:
     """Each shard (listed in model.safetensors.index.json, else model.safetensors) opened,
     its header read: from `folder`, or from the URL `shards_at` without a local copy."""
-    from specsamp.loading import fs
+    from specsamp import fs
     from specsamp.loading.safetensors_file import SafetensorsFile
 
     index = _read_json(folder, "model.safetensors.index.json")
