@@ -95,8 +95,8 @@ class _Metadata:
         return default if field is None else field.contents()
 
     def strings(self, key) -> list[str]:
-        # contents() builds one Python object per element; decoding the parts directly is
-        # ~20x faster for a 49k-entry vocabulary.
+        # contents() builds one Python object per element; decoding the parts directly skips
+        # them, which is what a vocabulary of tens of thousands of entries needs.
         field = self.fields[key]
         return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
 
