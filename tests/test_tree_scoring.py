@@ -6,6 +6,7 @@ kernel, float32 and float16 caches, one row and three rows at different position
 their own tokens. Models: tests/tiny.py's target (head width 8: the kernel's portable
 loops) and tiny_gemma2 (window 8, soft caps, head width 16: the AVX-512 loops)."""
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -137,11 +138,14 @@ def test_tree_logits_equal_chains(shape, batch, attention, dtype, gemma2):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_windowed_softcapped_tree_logits_equal_chains(attention, dtype, gemma2):
-    """The same on Gemma 2 (sliding window 8 on two of three layers, attention and final
-    soft caps, the kernel's vector loops), three rows with different trees of 8 nodes, one a
-    chain deeper than the window (its deep nodes' windows start inside the path)."""
-    trees = [Tree.full((2, 3)), Tree.chain(8), Tree((-1, -1, 0, 1, 3, 3, 5, 6))]
-    _assert_nodes_equal_chains("gemma2", gemma2, attention, dtype, trees)
+    """The same on Gemma 2 (a sliding window on two of three layers, attention and final
+    soft caps, the kernel's vector loops) with its window cut to 3, so that nodes at depth
+    3 and below start their window inside the path; three rows with different trees of 8
+    nodes (per-row path tables)."""
+    cfg, params = gemma2
+    small = (dataclasses.replace(cfg, sliding_window=3), params)
+    trees = [Tree.full((2, 3)), Tree((-1, 0, 1, 2, 3, -1, 5, 5)), Tree((-1, -1, 0, 1, 3, 3, 5, 6))]
+    _assert_nodes_equal_chains("gemma2", small, attention, dtype, trees)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
