@@ -203,3 +203,17 @@ def test_keep_path_moves_each_rows_path(dtype):
         assert got.dtype == want.dtype
         assert np.array_equal(np.asarray(got), want)
     assert np.array_equal(np.asarray(out.k[:, 1:]), k[:, 1:])  # rows 1-3: unchanged
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_block_paths_lists_each_tokens_ancestors_by_depth(shape):
+    """block_paths against the tree's ancestor matrix: row j holds the block slots of j's
+    ancestors and itself (the root's 0 first), ascending, depth + 1 of them, then -1."""
+    tree = SHAPES[shape]
+    table = block_paths(tree)
+    depth = np.concatenate([[0], tree.depth])
+    assert table.shape == (tree.size + 1, tree.max_depth + 1)
+    for j in range(tree.size + 1):
+        want = np.flatnonzero(tree.block_ancestors[j])
+        assert np.array_equal(table[j, : depth[j] + 1], want)
+        assert np.all(table[j, depth[j] + 1:] == -1)
