@@ -82,7 +82,8 @@ def _tree_block(trees, roots, vocab, seed):
     for b, tree in enumerate(trees):
         table = block_paths(tree)
         paths[b, :, : table.shape[1]] = table
-    tokens = np.concatenate([roots[:, None], rng.integers(0, vocab, (len(trees), trees[0].size))], 1)
+    nodes = rng.integers(0, vocab, (len(trees), trees[0].size))
+    tokens = np.concatenate([roots[:, None], nodes], 1)
     depths = np.stack([np.concatenate([[0], t.depth]) for t in trees])
     return tokens, paths, depths
 
