@@ -170,3 +170,14 @@ def block_visibility(tree: Tree, start: jax.Array, slots: int) -> jax.Array:
     cols = jnp.clip(rel, 0, n - 1)[..., 0, :]  # [..., S]
     seen = jnp.moveaxis(jnp.asarray(tree.block_ancestors)[:, cols], 0, -2)  # [..., N+1, S]
     return (rel < 0) | (in_block & seen)
+
+
+def block_paths(tree: Tree) -> np.ndarray:
+    """The scoring call's path table (`Model.forward(..., paths=)`): [N + 1, K + 1] int32,
+    row j for block token j (0 the root, i + 1 node i): the block-relative slots of its
+    path by depth, the root's 0 first and itself last, padded with -1. Row j's entry d
+    is the slot (less start) whose key/value the token at depth d on j's path reads."""
+    table = np.full((tree.size + 1, tree.max_depth + 1), -1, np.int32)
+    table[:, 0] = 0
+    table[:, 1:] = np.where(tree.paths >= 0, tree.paths + 1, -1)
+    return table

@@ -14,6 +14,11 @@ entries (rejected draft tokens, padding) that are never read and are overwritten
 next write at those positions: rejection needs no cache copy. A sliding-window layer of
 window W also skips slots at or below p - W (the cache stays full-length: slot = position).
 
+A token tree's scoring block (`paths`, see `run_layers`) is the one call whose slots differ
+from its positions: token t is written at slot start + t but sits at position start + its
+depth, and reads its own path in place of the block; `specsamp.models.tree_cache` then
+moves the accepted path to slot = position.
+
 Layers are one `nn.scan` over stacked weights (leading axis L): one layer compiles once, and
 early-exit drafting is the same module with `n_layers=L'` and the first L' weight slices.
 What differs between layers (window, RoPE base) is scanned along as per-layer arrays
@@ -143,6 +148,27 @@ def layer_rope(cfg: ModelConfig, positions: jax.Array) -> tuple:
     return tables
 
 
+def _path_attention(q, k_cache, v_cache, visible, cap, start, paths):
+    """`reductions.cache_attention` for a tree block (`run_layers`' paths [B, T, P]): each
+    token's keys/values gathered so that its path lies at slots start..start + depth, where
+    a chain's token at that position finds it, then the same reduction with each token a row
+    of its own (a row's bits do not depend on the rows beside it). Costs a [S, E] gather per
+    token and KV head."""
+    b, t, j, g, e = q.shape
+    s, depth = k_cache.shape[2], paths.shape[-1]
+    rel = jnp.arange(s, dtype=jnp.int32)[None] - start[:, None]  # [B, S]
+    col = jnp.broadcast_to(jnp.clip(rel, 0, depth - 1)[:, None], (b, t, s))
+    entry = jnp.take_along_axis(paths, col, axis=2)  # [B, T, S]: the block slot read there
+    on_path = ((rel >= 0) & (rel < depth))[:, None] & (entry >= 0)
+    index = jnp.where(on_path, start[:, None, None] + entry, jnp.arange(s, dtype=jnp.int32))
+    gather = jax.vmap(lambda c, i: jnp.moveaxis(jnp.take(c, i, axis=1), 1, 0))  # [T, J, S, E]
+    keys = gather(k_cache, index).reshape(b * t, j, s, e)
+    vals = gather(v_cache, index).reshape(b * t, j, s, e)
+    out = reductions.cache_attention(q.reshape(b * t, 1, j, g, e), keys, vals,
+                                     visible.reshape(b * t, 1, s), cap)
+    return out.reshape(b, t, j, g, e)
+
+
 def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, J, E] into a layer's cache [B, J, S, E] at each row's start slot."""
     new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, J, T, E]
@@ -154,11 +180,12 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, rope, positions, k_cache, v_cache, window, layer=None):
+    def __call__(self, x, rope, positions, k_cache, v_cache, window, layer=None, paths=None):
         """k_cache, v_cache: this layer's [B, J, S, E]; returned with this call's T written.
         With `layer` (an index), the whole stacks [L, B, J, S, E] instead, written and read
         in place at that layer by the native kernel (`specsamp.quant.kernels.attend`).
-        rope: this layer's (cos, sin); window: this layer's sliding window (0: none)."""
+        rope: this layer's (cos, sin); window: this layer's sliding window (0: none);
+        paths: a tree block's [B, T, P] table (`run_layers`) or None."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, j, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -172,7 +199,7 @@ class Attention(nn.Module):
             from specsamp.quant.kernels import attend
 
             out, k_cache, v_cache = attend(layer, q, k, v, positions, k_cache, v_cache,
-                                           cfg.scale, window, cfg.attn_softcap)
+                                           cfg.scale, window, cfg.attn_softcap, paths)
             out = out.astype(x.dtype).reshape(b, t, h * e)
             return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
 
@@ -184,7 +211,10 @@ class Attention(nn.Module):
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         if cfg.windowed:  # keys within the window: positions p - W < slot <= p
             visible &= (window <= 0) | (slots[None, None, :] > positions[:, :, None] - window)
-        out = reductions.cache_attention(q, k_cache, v_cache, visible, cfg.attn_softcap)
+        if paths is None:
+            out = reductions.cache_attention(q, k_cache, v_cache, visible, cfg.attn_softcap)
+        else:
+            out = _path_attention(q, k_cache, v_cache, visible, cfg.attn_softcap, start, paths)
         # a cache wider than the activations (float32) stays in it: round to theirs
         out = out.astype(x.dtype).reshape(b, t, h * e)
         return Linear(cfg.d_model, use_bias=False, name="o")(out), k_cache, v_cache
@@ -207,7 +237,7 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer_cache, per_layer, rope, positions, layer=None):
+    def __call__(self, x, layer_cache, per_layer, rope, positions, layer=None, paths=None):
         """per_layer: this layer's entries of `ModelConfig.layer_arrays` (scalars); rope:
         `layer_rope`'s tables, of which the layer takes its own."""
         cfg = self.cfg
@@ -219,7 +249,7 @@ class Block(nn.Module):
             rope = rope[0]
         attn_out, k_cache, v_cache = Attention(cfg, name="attn")(
             _norm(cfg, "attn_norm")(x), rope, positions, k_cache, v_cache, per_layer["window"],
-            layer)
+            layer, paths)
         if cfg.post_norms:
             attn_out = _norm(cfg, "post_attn_norm")(attn_out)
         x = x + attn_out
@@ -229,8 +259,17 @@ class Block(nn.Module):
         return x + mlp_out, (k_cache, v_cache)
 
 
-def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str = "xla"):
+def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str = "xla",
+               paths=None):
     """The layer stack of `module` (set up by `setup_decoder`) over x: (x, new cache).
+
+    paths (a token tree's scoring block; None: a plain block): int32 [B, T, P] or [T, P]
+    (every row alike), `tree.block_paths`' table. Token t is written at slot start + t
+    (start = positions[:, 0]) and, at position p, attends to the cache slots before start
+    (within the window by position) and to the block slots start + paths[t, d] for
+    d = 0..p - start (its path by depth, itself last); entries past p - start are not read.
+    Its logits are then bit for bit those of the last token of a plain call over its path
+    at start..p (`_path_attention`; the native kernel alike).
 
     At init, Flax's nn.scan declares the stacked weights. At apply, a plain lax.scan over
     the layer index hands each layer a view of the stacked weights: a quantized weight on
@@ -242,6 +281,9 @@ def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str =
     the whole cache every step, and attends over every slot, used or not)."""
     cfg = module.cfg
     rope = layer_rope(cfg, positions)
+    if paths is not None:
+        paths = jnp.asarray(paths, jnp.int32)
+        paths = jnp.broadcast_to(paths, positions.shape + paths.shape[-1:])
     per_layer = {k: jnp.asarray(a) for k, a in cfg.layer_arrays().items()}
     if module.is_initializing():
         x, (k, v) = module.layers(x, (cache.k, cache.v), per_layer, rope, positions)
@@ -260,7 +302,7 @@ def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str =
     if attention == "cpu":
         def carried(carry, i):
             x, k, v = carry
-            x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions, i)
+            x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions, i, paths)
             return (x, k, v), None
 
         (x, k, v), _ = jax.lax.scan(carried, (x, cache.k, cache.v),
@@ -269,7 +311,7 @@ def run_layers(module: nn.Module, x, cache: KVCache, positions, attention: str =
 
     def body(x, inputs):
         i, k, v = inputs
-        x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions)
+        x, (k, v) = block.apply(weights(i), x, (k, v), mine(i), rope, positions, None, paths)
         return x, (k, v)
 
     x, (k, v) = jax.lax.scan(body, x, (jnp.arange(cache.k.shape[0]), cache.k, cache.v))
@@ -321,9 +363,9 @@ class Transformer(nn.Module):
     def setup(self):
         setup_decoder(self)
 
-    def __call__(self, tokens, positions, cache: KVCache, head: bool = True):
+    def __call__(self, tokens, positions, cache: KVCache, head: bool = True, paths=None):
         x = embed_tokens(self, tokens)
-        x, cache = run_layers(self, x, cache, positions, self.attention)
+        x, cache = run_layers(self, x, cache, positions, self.attention, paths)
         hidden = self.final_norm(x)
         out = self.logits(hidden) if head else hidden
         return out, cache

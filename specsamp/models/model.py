@@ -42,11 +42,19 @@ class Model:
         if self.attention not in ("cpu", "xla"):
             raise ValueError(f"attention must be 'cpu' or 'xla', not {self.attention!r}")
 
-    def forward(self, params, tokens, positions, cache: KVCache, head: bool = True):
+    def forward(self, params, tokens, positions, cache: KVCache, head: bool = True,
+                paths=None):
         """(logits [B, T, V] float32, or final-normed hidden [B, T, D] with head=False;
-        the cache with this call's keys/values written at `positions`)."""
+        the cache with this call's keys/values written at `positions`).
+
+        paths: a token tree's scoring block (`tree.block_paths`, [T, P] or per row
+        [B, T, P]): tokens are written at slots start..start+T-1 (start = positions[:, 0])
+        while positions are start + depth, and each reads the cache before start and its
+        own path only; every token's output equals, bit for bit, the last token's of a
+        plain call over its path (`llama.run_layers`). Afterwards the cache holds the
+        block, not the path: `tree_cache.keep_path` moves the accepted one."""
         return Transformer(self.cfg, cache_attention(self.attention, cache)).apply(
-            {"params": params}, tokens, positions, cache, head=head)
+            {"params": params}, tokens, positions, cache, head=head, paths=paths)
 
     def full_forward(self, params, tokens, head: bool = True):
         """Teacher-forced pass over tokens [B, T] at positions 0..T-1 with a fresh cache.

@@ -21,11 +21,20 @@
 // little), so float16 keys and values save time there as well as half the memory. New keys
 // and values are rounded to half to nearest even (as XLA's conversion) and read back as
 // exact floats: all arithmetic stays float32, in the same order for both.
+//
+// A token tree's scoring block (SpecsampAttendTree, an int32 table paths [B, T, P]) writes
+// token t at slot start + t (start: the row's first position) while it sits at position
+// start + its depth; a query at position p reads the slots before start from the cache and,
+// in the place of slots start..p, the block slots start + paths[t][0..p - start] (its path
+// by depth), gathered into scratch. Every slot goes through the same arithmetic in the same
+// order as a chain's token at p reading its path at slots start..p, so the two agree bit
+// for bit. Without the table the kernel runs as before (the second segment is empty).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -75,6 +84,8 @@ struct Shape {
   float scale;
   int64_t window;  // sliding window (0: none)
   float softcap;   // 0: none
+  const int32_t* paths = nullptr;  // a tree block's [B, T, P] table, or none
+  int64_t path_len = 0;            // P
 };
 
 // The sum of kLanes partial sums as a tree: lane l with l + 8, then + 4, + 2, + 1.
@@ -91,8 +102,8 @@ template <typename KV>  // the cache's element: float, or uint16_t (half)
 struct Fast {  // vector versions of attend_heads' loops, where the CPU has them
   void (*scores)(const float* qs, const KV* k, int64_t n, float* out) = nullptr;
   // weighted[g - 1]: the weighted sums of g heads in one pass over the values
-  using Weighted = void (*)(const float* w, int64_t w_stride, const KV* v, int64_t n,
-                            const float* inv, float* const* o);
+  using Weighted = void (*)(const float* w, int64_t w_stride, const KV* v, int64_t split,
+                            const KV* v2, int64_t n, const float* inv, float* const* o);
   Weighted weighted[kMaxGroup] = {};
   int group = 1;  // heads per pass over the values (their sums fill the vector registers)
 };
@@ -151,32 +162,50 @@ void scores_avx512(const float* qs, const KV* k, int64_t n, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
 }
 
-// For each of G heads g: o[g] = (sum over slots i < n of w[g][i] * v[i]) * inv[g] for
-// values v [n, E], E = 16 * C, weights w[g] = w + g * w_stride: even and odd slots in two
-// sums (two dependency chains), added at the end. The heads share each load of the values;
-// every head's sums are those it gets alone (G = 1), in the same order.
+// Adds slots i0 <= i < i1 (values v, slot i0's row first) into the sums a[g][i & 1]: each
+// sum receives its slots in increasing order, whatever i0 (an odd i0 starts with one slot).
+template <int G, int C, typename KV>
+__attribute__((target("avx512f"), always_inline)) inline void weigh_slots(
+    __m512 (&a)[G][2][C], const float* w, int64_t w_stride, const KV* v, int64_t i0, int64_t i1) {
+  int64_t i = i0;
+  if ((i & 1) && i < i1) {  // an odd slot
+    for (int c = 0; c < C; ++c) {
+      const __m512 vi = load16(v + 16 * c);
+      for (int g = 0; g < G; ++g)
+        a[g][1][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i]), vi, a[g][1][c]);
+    }
+    ++i;
+  }
+  for (; i + 2 <= i1; i += 2)
+    for (int p = 0; p < 2; ++p)
+      for (int c = 0; c < C; ++c) {
+        const __m512 vi = load16(v + (i - i0 + p) * 16 * C + 16 * c);
+        for (int g = 0; g < G; ++g)
+          a[g][p][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i + p]), vi, a[g][p][c]);
+      }
+  if (i < i1)  // an even slot
+    for (int c = 0; c < C; ++c) {
+      const __m512 vi = load16(v + (i - i0) * 16 * C + 16 * c);
+      for (int g = 0; g < G; ++g)
+        a[g][0][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i]), vi, a[g][0][c]);
+    }
+}
+
+// For each of G heads g: o[g] = (sum over slots i < n of w[g][i] * v_i) * inv[g], E = 16 * C,
+// weights w[g] = w + g * w_stride, values v_i = v[i] for i < split and v2[i - split] after
+// (a tree's path, gathered): even and odd slots in two sums (two dependency chains), added
+// at the end. The heads share each load of the values; every head's sums are those it gets
+// alone (G = 1), in the same order, and the same wherever the split.
 template <int G, int C, typename KV>
 __attribute__((target("avx512f")))
-void weighted_avx512(const float* w, int64_t w_stride, const KV* v, int64_t n, const float* inv,
-                     float* const* o) {
+void weighted_avx512(const float* w, int64_t w_stride, const KV* v, int64_t split, const KV* v2,
+                     int64_t n, const float* inv, float* const* o) {
   __m512 a[G][2][C];
   for (int g = 0; g < G; ++g)
     for (int p = 0; p < 2; ++p)
       for (int c = 0; c < C; ++c) a[g][p][c] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2)
-    for (int p = 0; p < 2; ++p)
-      for (int c = 0; c < C; ++c) {
-        const __m512 vi = load16(v + (i + p) * 16 * C + 16 * c);
-        for (int g = 0; g < G; ++g)
-          a[g][p][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i + p]), vi, a[g][p][c]);
-      }
-  if (i < n)  // an even slot
-    for (int c = 0; c < C; ++c) {
-      const __m512 vi = load16(v + i * 16 * C + 16 * c);
-      for (int g = 0; g < G; ++g)
-        a[g][0][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + i]), vi, a[g][0][c]);
-    }
+  weigh_slots<G, C>(a, w, w_stride, v, 0, split);
+  if (split < n) weigh_slots<G, C>(a, w, w_stride, v2, split, n);
   for (int g = 0; g < G; ++g) {
     const __m512 scale = _mm512_set1_ps(inv[g]);
     for (int c = 0; c < C; ++c)
@@ -251,7 +280,8 @@ __attribute__((always_inline)) inline float softmax_in_place(float* scores, int6
 }
 
 // Queries of one row b, query heads h0..h0+G-1 (G <= kMaxGroup) sharing one KV head: T
-// tokens. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]. The heads
+// tokens. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]; kb, vb
+// scratch [P, E] for a tree's paths (s.paths; unused without). The heads
 // go through the keys together, block of 16 slots by block (a block is read from memory
 // for the first head and from the core's nearest cache for the others), and through the
 // values in one pass (with `fast`, G <= fast.group; the portable loops go head by head).
@@ -260,13 +290,28 @@ template <typename KV>
 SPECSAMP_CLONES
 void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float* q,
                   const int32_t* pos, const KV* kc, const KV* vc, float* out, float* scores,
-                  const Fast<KV>& fast) {
+                  KV* kb, KV* vb, const Fast<KV>& fast) {
   const int64_t E = s.dim, stride = s.slots + 16;
+  const int64_t start = s.paths ? std::max<int32_t>(pos[b * s.tokens], 0) : 0;
   for (int64_t t = 0; t < s.tokens; ++t) {
     const int64_t p = std::max<int32_t>(pos[b * s.tokens + t], 0);
-    const int64_t last = std::min<int64_t>(p, s.slots - 1);
+    int64_t last = std::min<int64_t>(p, s.slots - 1);
+    if (s.paths) last = std::min(last, start + s.path_len - 1);  // a path holds P slots
     // The first visible slot: keys at positions p - window < slot <= p.
     const int64_t first = s.window > 0 ? std::min(std::max<int64_t>(p - s.window + 1, 0), last) : 0;
+    // Slots first..split-1 come from the cache, split..last (a tree's) from the path: slot
+    // start + d reads block slot start + paths[t][d], gathered into row d of kb, vb.
+    int64_t split = last + 1;
+    if (s.paths) {
+      split = std::min(std::max(first, start), last + 1);
+      const int32_t* path = s.paths + (b * s.tokens + t) * s.path_len;
+      for (int64_t slot = split; slot <= last; ++slot) {
+        const int64_t d = slot - start, at = path[d];
+        const int64_t from = std::min(start + (at >= 0 && at < s.tokens ? at : d), s.slots - 1);
+        std::memcpy(kb + d * E, kc + from * E, E * sizeof(KV));
+        std::memcpy(vb + d * E, vc + from * E, E * sizeof(KV));
+      }
+    }
     const float* qv = q + ((b * s.tokens + t) * s.heads + h0) * E;  // G heads' queries
     // The next token's queries (one row of a strided [B, T, H, E]: too far apart for the
     // hardware to fetch ahead; waiting for it was a quarter of a prefill's attention).
@@ -279,18 +324,24 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
       // Slots past `last` are read but not used: a block of 16 computes each slot's score
       // on its own, so a last, partial block runs as a whole one where the cache has the
       // room (the scratch has 16 spare entries).
-      for (int64_t slot = first; slot <= last; slot += 16) {
-        const int64_t n = slot + 16 <= s.slots ? 16 : last + 1 - slot;
+      for (int64_t slot = first; slot < split; slot += 16) {
+        const int64_t n = slot + 16 <= s.slots ? 16 : split - slot;
         // This block's values, for the weighted sums after the softmax: fetched while the
         // scores compute, rather than on demand after them (docs/measurements.md, native
         // kernels).
-        for (int64_t e = 0; e < std::min<int64_t>(16, last + 1 - slot) * E; e += 64 / sizeof(KV))
+        for (int64_t e = 0; e < std::min<int64_t>(16, split - slot) * E; e += 64 / sizeof(KV))
           __builtin_prefetch(vc + slot * E + e);
         for (int64_t g = 0; g < G; ++g) fast.scores(qs[g], kc + slot * E, n, scores + g * stride + slot);
       }
+      // The path's slots (after the cache's, whose last block may have written past split).
+      for (int64_t slot = split; slot <= last; slot += 16) {
+        const int64_t n = std::min<int64_t>(16, last + 1 - slot);
+        for (int64_t g = 0; g < G; ++g)
+          fast.scores(qs[g], kb + (slot - start) * E, n, scores + g * stride + slot);
+      }
     } else {
       for (int64_t slot = first; slot <= last; ++slot) {
-        const KV* kv = kc + slot * E;
+        const KV* kv = slot < split ? kc + slot * E : kb + (slot - start) * E;
         for (int64_t g = 0; g < G; ++g) {
           float acc[kLanes] = {0};
           int64_t e0 = 0;
@@ -314,14 +365,16 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
       o[g] = out + ((b * s.tokens + t) * s.heads + h0 + g) * E;
     }
     if (fast.weighted[G - 1]) {
-      fast.weighted[G - 1](scores + first, stride, vc + first * E, last + 1 - first, inv, o);
+      const KV* path_values = s.paths ? vb + (split - start) * E : nullptr;
+      fast.weighted[G - 1](scores + first, stride, vc + first * E, split - first, path_values,
+                           last + 1 - first, inv, o);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {  // the portable loops: head by head
       const float* w = scores + g * stride;
       float acc[2][256] = {};  // even and odd slots from `first`, as weighted_avx512 sums them
       for (int64_t sl = first; sl <= last; ++sl) {
-        const KV* vv = vc + sl * E;
+        const KV* vv = sl < split ? vc + sl * E : vb + (sl - start) * E;
         float* a = acc[(sl - first) & 1];
         for (int64_t e = 0; e < E; ++e) a[e] += w[sl] * to_float(vv[e]);
       }
@@ -335,12 +388,13 @@ inline void store(const float* from, int64_t n, uint16_t* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = specsamp::float_to_half(from[i]);
 }
 
-// Write new [B, T, J, E] at each token's position into cache [L, B, J, S, E], layer s.layer.
+// Write new [B, T, J, E] at each token's position (a tree block: at the row's first
+// position + t) into cache [L, B, J, S, E], layer s.layer.
 template <typename KV>
 void write_cache(const Shape& s, const float* fresh, const int32_t* pos, KV* cache) {
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t t = 0; t < s.tokens; ++t) {
-      const int64_t p = pos[b * s.tokens + t];
+      const int64_t p = s.paths ? pos[b * s.tokens] + t : pos[b * s.tokens + t];
       if (p < 0 || p >= s.slots) continue;
       for (int64_t j = 0; j < s.kv_heads; ++j)
         store(fresh + ((b * s.tokens + t) * s.kv_heads + j) * s.dim, s.dim,
@@ -373,22 +427,25 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* queries, con
   const int64_t pass = fast.weighted[0] ? fast.group : kMaxGroup;
   specsamp::parallel_for(pool, s.batch * s.heads / group, [&](int64_t i) {
     thread_local std::vector<float> scores;  // scratch [kMaxGroup, S + 16] per thread
+    thread_local std::vector<KV> kb, vb;      // a tree's gathered path [P, E] per thread
     scores.resize(kMaxGroup * (s.slots + 16));
+    if (s.paths) kb.resize(s.path_len * s.dim), vb.resize(s.path_len * s.dim);
     const int64_t b = i * group / s.heads, h0 = i * group % s.heads;
     const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + h0 / g_per) * s.slots * s.dim;
     for (int64_t h = h0; h < h0 + group; h += pass)
       attend_heads(s, b, h, std::min(pass, h0 + group - h), queries, pos, kc + at, vc + at, o,
-                   scores.data(), fast);
+                   scores.data(), kb.data(), vb.data(), fast);
   });
 }
 
-ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
-                      ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                      ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer k_cache,
-                      ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> window, float scale,
-                      float softcap,
-                      ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
-                      ffi::Result<ffi::AnyBuffer> v_out) {
+// The checks and the call shared by both targets; paths: a tree block's table or null.
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> q,
+                  ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                  ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer k_cache,
+                  ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> window,
+                  const int32_t* paths, int64_t path_len, float scale, float softcap,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                  ffi::Result<ffi::AnyBuffer> v_out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), cd = k_cache.dimensions();
   const ffi::DataType type = k_cache.element_type();
   if (qd.size() != 4 || kd.size() != 4 || cd.size() != 5 || qd[0] != kd[0] || qd[1] != kd[1] ||
@@ -402,7 +459,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
         "attention: expected q [B, T, H, E], k/v [B, T, J, E], caches [L, B, J, S, E] both "
         "float32 or both float16, positions [B, T], E up to 256");
   Shape s{qd[0], qd[1], qd[2], kd[2], cd[3], cd[4], *layer.typed_data(), scale,
-          *window.typed_data(), softcap};
+          *window.typed_data(), softcap, paths, path_len};
   if (s.layer < 0 || s.layer >= cd[0])
     return ffi::Error::InvalidArgument("attention: layer index out of range");
   // The caches are aliased to the outputs; should XLA have given separate buffers, start
@@ -423,21 +480,59 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
+                      ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                      ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer k_cache,
+                      ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> window, float scale,
+                      float softcap,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                      ffi::Result<ffi::AnyBuffer> v_out) {
+  return Attend(pool, layer, q, k, v, positions, k_cache, v_cache, window, nullptr, 0, scale,
+                softcap, out, k_out, v_out);
+}
+
+// A tree block: paths [B, T, P] int32 (see the top of this file).
+ffi::Error AttendTreeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> positions,
+                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                          ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> paths, float scale,
+                          float softcap, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto pd = paths.dimensions();
+  if (pd.size() != 3 || pd[2] < 1 || pd[0] * pd[1] != positions.element_count())
+    return ffi::Error::InvalidArgument("attention: expected paths [B, T, P] with P >= 1");
+  return Attend(pool, layer, q, k, v, positions, k_cache, v_cache, window, paths.typed_data(),
+                pd[2], scale, softcap, out, k_out, v_out);
+}
+
+// Both targets' bindings: the operands up to the window (a tree's paths table follows),
+// then the attributes and results.
+auto attend_inputs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+template <typename Binding>
+auto attend_outputs(Binding binding) {
+  return std::move(binding).template Attr<float>("scale")
+      .template Attr<float>("softcap")
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampAttend, AttendImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampAttend, AttendImpl, attend_outputs(attend_inputs()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampAttendTree, AttendTreeImpl,
+                              attend_outputs(attend_inputs().Arg<ffi::Buffer<ffi::S32>>()));

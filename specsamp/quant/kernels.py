@@ -22,7 +22,7 @@ import numpy as np
 _LOCK = threading.Lock()
 _STATE: dict = {}
 _TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend",
-            "specsamp_argmax": "SpecsampArgmax"}
+            "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -157,7 +157,7 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,
-           softcap: float | None = None):
+           softcap: float | None = None, paths=None):
     """One layer's cache write and attention on the kernel (attention.cc).
 
     q [B, T, H, E], k/v [B, T, J, E] (this call's, rotated), positions [B, T], caches
@@ -165,12 +165,18 @@ def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,
     v_cache) with this call's keys/values written at layer `layer` (rounded to the cache's
     type); the caches are updated in place (aliased). window (an int32 scalar, may be
     traced): a query at position p attends to slots p - window < slot <= p (0: all slots
-    up to p). softcap: scores (scaled) become softcap * tanh(score / softcap) (None: kept)."""
+    up to p). softcap: scores (scaled) become softcap * tanh(score / softcap) (None: kept).
+    paths: int32 [B, T, P], a token tree's block (`specsamp.models.llama.run_layers`):
+    token t is written at slot positions[b, 0] + t, and reads the slots before the block
+    and then, in the place of slots start..p, the block slots start + paths[b, t, :p-start+1]
+    (the window and soft cap by position, as for a chain). None: the plain kernel."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    call = jax.ffi.ffi_call("specsamp_attend", (out, cache, cache),
-                            input_output_aliases={5: 1, 6: 2})
-    return call(jnp.asarray(layer, jnp.int32), q.astype(jnp.float32), k.astype(jnp.float32),
+    target = "specsamp_attend" if paths is None else "specsamp_attend_tree"
+    call = jax.ffi.ffi_call(target, (out, cache, cache), input_output_aliases={5: 1, 6: 2})
+    operands = [jnp.asarray(layer, jnp.int32), q.astype(jnp.float32), k.astype(jnp.float32),
                 v.astype(jnp.float32), positions.astype(jnp.int32), k_cache, v_cache,
-                jnp.asarray(window, jnp.int32), scale=np.float32(scale),
-                softcap=np.float32(softcap or 0.0))
+                jnp.asarray(window, jnp.int32)]
+    if paths is not None:
+        operands.append(jnp.asarray(paths, jnp.int32))
+    return call(*operands, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
