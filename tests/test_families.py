@@ -69,6 +69,32 @@ def test_logits_match_transformers(family, attention):
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits"], atol=1e-4, rtol=0)
 
 
+
+# bfloat16 keeps 8 significant bits: each rounding moves a value by up to 2^-9 of itself,
+# and a few layers of them move a logit by a few percent of the logits' range. Measured on
+# these checkpoints (docs/dtype.md): at most 0.040 x max|logit| (tiny_llama3), 0.005-0.028
+# for the others. The bound is 0.1 x max|logit|, with room for another machine's bfloat16
+# products; a feature computed wrongly moves logits by a sizeable part of their range.
+BFLOAT16_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("family", FAMILIES, indirect=True)
+def test_bfloat16_logits_within_stated_tolerance(family, request, tmp_path_factory):
+    """The bfloat16 model (weights, activations and cache at bfloat16) against transformers'
+    float32 logits, within BFLOAT16_TOLERANCE x the largest logit: catches a bfloat16 path
+    that drops or misplaces a family's feature (the float32 test covers the features
+    themselves), e.g. a scale or soft cap applied in float32 only."""
+    _, ref = family  # the fixture copied the folder (with a tokenizer) here:
+    folder = os.path.join(str(tmp_path_factory.getbasetemp()), request.node.callspec.params["family"])
+    m = load_model(folder, dtype="bfloat16")
+    assert m.params["embed"]["embedding"].dtype == jnp.bfloat16
+    model = Model(m.cfg)
+    tokens = jnp.asarray(ref["tokens"])[None]
+    t = tokens.shape[1]
+    logits, _ = model.forward(m.params, tokens, jnp.arange(t)[None], model.init_cache(1, t))
+    diff = np.abs(np.asarray(logits[0], np.float32) - ref["logits"]).max()
+    assert diff <= BFLOAT16_TOLERANCE * np.abs(ref["logits"]).max(), diff
+
 def _engine(cfg, params, draft, k=3):
     sp = SamplingParams(0.0)
     drafter, draft_params = build_drafter(draft, k, sp, cfg, params, None)
