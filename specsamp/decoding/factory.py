@@ -70,8 +70,7 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
         if weights.kind != "feature":
             raise _not_feature(path)
         # Lookup only for matches of 2 tokens or more: a 1-token match is a worse guess than
-        # the feature draft's (measured on HumanEval chat prompts, stored weights, greedy:
-        # acceptance 0.475 -> 0.59 at K = 1).
+        # the feature draft's (docs/measurements.md).
         drafter = HybridDrafter(NgramDrafter(k, target_cfg.vocab_size, n, min_ngram=min(2, n)),
                                 FeatureDrafter(weights.cfg, k, sampling),
                                 NgramDrafter(wide, target_cfg.vocab_size, n, min_ngram=n) if wide else None)

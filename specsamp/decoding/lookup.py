@@ -91,8 +91,8 @@ class HybridDrafter:
     # tokens, the round scores wide.k lookup tokens instead of K (a long match is usually
     # followed further). The model's refresh window stays K+1: after a wide round that kept
     # more than K tokens, the positions before the window keep the draft's older entries
-    # (proposals only, so still exact; widening every refresh to wide.k + 1 cost 0.3 ms a
-    # round at batch 1 and changed no accepted count on 10 HumanEval prompts).
+    # (proposals only, so still exact; a window of wide.k + 1 costs every round more and
+    # gains no accepted tokens, docs/measurements.md).
     wide: NgramDrafter | None = None
 
     @property
