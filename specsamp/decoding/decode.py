@@ -24,6 +24,8 @@ from specsamp.decoding.state import (
 )
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.argmax import first_argmax
+from specsamp.models.model import default_attention
+from specsamp.quant import kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,24 @@ class Program:
     sampling: SamplingParams
     drafter: Drafter | None = None  # None: autoregressive baseline
     kv_cache: str = "float32"  # the target cache's type (`config.KV_CACHES`)
+    # Whether the native CPU kernels (attention over the cache, the argmax) or XLA compute
+    # this program: decided once (`with_backend`, when an `Engine` is built) and carried
+    # as part of the static program; None: decided wherever a model is traced.
+    native: bool | None = None
+
+    def with_backend(self) -> "Program":
+        """This program with its backend decided: the native kernels on one CPU device
+        where they load (`quant.kernels.on_one_cpu_device`), else XLA; its drafter too."""
+        if self.native is not None:
+            return self
+        native = kernels.on_one_cpu_device()
+        drafter = self.drafter.with_native(native) if self.drafter is not None else None
+        return dataclasses.replace(self, native=native, drafter=drafter)
+
+    @property
+    def model(self) -> Model:
+        """The target, on this program's backend (the mesh is the state's placement)."""
+        return Model(self.target, attention=default_attention(self.target, None, self.native))
 
     @property
     def k(self) -> int:
@@ -106,7 +126,7 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, chun
     row's prompt (those only write padding)."""
     c = PREFILL_CHUNK
     b = state.tokens.shape[0]
-    target = Model(prog.target)
+    target = prog.model
 
     def one_pass(i, state):
         start = i * c
@@ -172,13 +192,13 @@ def resync(prog: Program, draft_params, state: DecodeState, width: int) -> Decod
 def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
     t = state.current
     current = gather_window(state.tokens, t, 1)
-    target = Model(prog.target)
+    target = prog.model
     hidden, cache = target.forward(target_params, current, t[:, None], state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
     if prog.drafter is not None:  # e.g. keep a feature draft's inputs complete across plain rounds
         state = state.replace(draft=prog.drafter.observe(state.draft, hidden, t))
     if prog.sampling.greedy:  # sample() on the one-hot probabilities returns the argmax
-        x = first_argmax(logits[:, 0])
+        x = first_argmax(logits[:, 0], prog.native)
     else:
         x = jax.vmap(sample)(round_keys(state), probs_from_logits(logits[:, 0], prog.sampling))
     ones = jnp.ones_like(t)
@@ -235,12 +255,12 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
     t = state.current
     block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]
     positions = t[:, None] + jnp.arange(k + 1)[None, :]
-    target = Model(prog.target)
+    target = prog.model
     hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
     draft_state = prog.drafter.observe(state.draft, hidden, t)  # e.g. the target's features
     if prog.sampling.greedy:  # q is a point mass on the argmax: no [B, K+1, V] arrays
-        argmax = first_argmax(logits)
+        argmax = first_argmax(logits, prog.native)
         n = accept_greedy(draft, argmax)
         if found is not None:
             n = jnp.where(found, n, 0)  # as _ar_round: the argmax at the current position

@@ -67,6 +67,7 @@ class Engine:
     policy: PolicyFn | None = None
 
     def __post_init__(self):
+        self.prog = self.prog.with_backend()  # native kernels or XLA: once, for every program
         self.k = self.k or fixed_k(self.prog.k)
         self.k_rounds = collections.Counter()
         self.slot_rounds = collections.Counter()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from specsamp.decoding.config import SamplingParams, parse_draft
 from specsamp.decoding.drafters import Drafter, FeatureDrafter, ModelDrafter
+from specsamp.decoding.drafts import default_draft
 from specsamp.decoding.lookup import HybridDrafter, NgramDrafter
 from specsamp.errors import UserError
 from specsamp.models import Model, ModelConfig
@@ -39,8 +40,6 @@ Loader = Callable[[str, bool], DraftWeights]
 
 def resolve_auto(draft: str, target: str | None) -> str:
     """What 'auto' means for `target` (`drafts.default_draft`); any other draft as given."""
-    from specsamp.decoding.drafts import default_draft
-
     return default_draft(target) if draft == "auto" else draft
 
 

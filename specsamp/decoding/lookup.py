@@ -48,6 +48,9 @@ class NgramDrafter:
     def with_k(self, k: int) -> "NgramDrafter":
         return dataclasses.replace(self, k=k)
 
+    def with_native(self, native: bool) -> "NgramDrafter":
+        return self  # no model
+
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
@@ -129,6 +132,9 @@ class HybridDrafter:
 
     def with_k(self, k: int) -> "HybridDrafter":
         return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k), self.wide)
+
+    def with_native(self, native: bool) -> "HybridDrafter":
+        return dataclasses.replace(self, model=self.model.with_native(native))
 
     def wide_lookup(self, state: DecodeState) -> Proposal | None:
         """The wide lookup of this round when wide rounds are longer than K (else None);
