@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 
-from specsamp.decoding.config import DRAFT_FORMS, SamplingParams, check_k, parse_draft
+from specsamp.decoding.config import AUTO_K, DRAFT_FORMS, SamplingParams, parse_draft, parse_k
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
@@ -25,7 +25,7 @@ BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on t
 
 RUNNERS = ("local", "dask", "dataflow")  # `runner:` in a config (pipelines.runners)
 
-K_AUTO = -1  # a setting's k for `k: auto` (an int, so that output tables keep an int column)
+K_AUTO = AUTO_K.table  # a setting's k for `k: auto` (an int, so that output tables keep an int column)
 
 
 def k_label(k: int) -> str:
@@ -198,7 +198,7 @@ def _check_setting(draft, k, where: str) -> Setting:
         return Setting("none", 0)
     try:
         kind, arg = parse_draft(draft)
-        setting = Setting(draft, K_AUTO if k == "auto" else check_k(k))
+        setting = Setting(draft, parse_k(k).table)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     if kind in ("model", "hybrid"):

@@ -96,12 +96,12 @@ def sampled(n_samples: int = 16_000) -> dict:
 
 def collectives() -> dict:
     """The collectives in the compiled decode program of the split target, per n."""
-    from specsamp.decoding.decode import decode, new_state, prefill
+    from specsamp.decoding.decode import generate, new_state, prefill
 
     out = {}
     for n in (2, 8):
         eng = engine(n, SamplingParams(0.0), "none")
-        hlo = _compiled_decode_text(eng, decode, new_state, prefill)
+        hlo = _compiled_decode_text(eng, generate, new_state, prefill)
         out[str(n)] = {op: hlo.count(op) for op in ("all-reduce", "all-gather", "reduce-scatter",
                                                     "all-to-all", "collective-permute")}
         out[str(n)]["devices"] = len(eng.target_params["final_norm"]["scale"].sharding.device_set)
@@ -143,7 +143,8 @@ def _compiled_decode_text(eng, decode, new_state, prefill) -> str:
                       jnp.asarray([0], jnp.uint32), 128)
     state = eng.place(state)
     eos = jnp.asarray([-1]); stops = jnp.asarray([-1])
-    lowered = decode.lower(eng.prog, eng.target_params, None, state, eos, stops, jnp.int32(4))
+    lowered = decode.lower(eng.prog, eng.prog.k, eng.target_params, None, state, eos, stops,
+                           jnp.int32(4), jnp.int32(2))
     return lowered.compile().as_text()
 
 

@@ -1,12 +1,14 @@
 """Continuous batching: rows inserted into free slots at chunk boundaries sample exactly as
-the static engine does (same tokens for the same prompt and seed), whatever their slot,
+under static batching (same tokens for the same prompt and seed), whatever their slot,
 neighbours or insertion time."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.continuous import ContinuousEngine
+from specsamp.decoding.config import KChoice, SamplingParams
+from specsamp.decoding.engine import Continuous, Engine
 from tests import tiny
 from tests.test_exactness import PROMPT, exact_joint, chi_square_pvalue, make_engine, ALPHA, N_TOKENS
 
@@ -17,10 +19,15 @@ SEEDS = list(range(100, 100 + len(PROMPTS)))
 
 
 def _eos_engine(sp, drafter, k, max_new):
-    """A static engine whose EOS id ends rows at different times (mixed output lengths)."""
+    """An engine whose EOS id ends rows at different times (mixed output lengths)."""
     eng = make_engine(sp, drafter, k, max_new=max_new)
     eng.eos_ids = (5,)
     return eng
+
+
+def switching(engine: Engine, ks, policy) -> Engine:
+    """`engine` with its own statistics, at the K values ks, chosen per chunk by `policy`."""
+    return dataclasses.replace(engine, k=KChoice(tuple(ks), auto=True), policy=policy)
 
 
 @pytest.mark.parametrize("drafter,k,temperature", [
@@ -33,8 +40,7 @@ def test_continuous_rows_equal_static_rows(drafter, k, temperature):
     slot, and rows that read their neighbours."""
     sp = SamplingParams(temperature, 0, 0.9 if temperature else 1.0)
     static = _eos_engine(sp, drafter, k, max_new=20)
-    cont = ContinuousEngine(static, batch=3, chunk_rounds=5)
-    got = cont.run(PROMPTS, SEEDS)
+    got = static.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=5))
     lengths = set()
     # One static batch (a row's tokens do not depend on its static batch either:
     # test_exactness.test_sample_depends_only_on_its_seed_not_its_batch).
@@ -55,9 +61,9 @@ def test_last_rows_move_into_fewer_slots(drafter, k, temperature):
     or that maps results back to the wrong prompt."""
     sp = SamplingParams(temperature, 0, 0.9 if temperature else 1.0)
     static = _eos_engine(sp, drafter, k, max_new=24)
-    cont = ContinuousEngine(static, batch=8)
+    cont = dataclasses.replace(static)  # statistics of the continuous run alone
     prompts, seeds = PROMPTS + PROMPTS[:3], SEEDS + [7, 8, 9]
-    got = cont.run(prompts, seeds)
+    got = cont.run(prompts, seeds, batching=Continuous(8))
     assert {8, 1} <= set(cont.slot_rounds) and len(cont.slot_rounds) > 2, cont.slot_rounds
     # the host's per-slot round counters moved with their rows: every round's accepted
     # draft tokens counted once for the K policy
@@ -74,10 +80,9 @@ def test_continuous_sampling_matches_exact_target_distribution():
     through 64 slots (a sampler that reused a slot's stale state would fail it)."""
     sp = SamplingParams(1.0)
     static = make_engine(sp, "model", 2, max_new=N_TOKENS)
-    cont = ContinuousEngine(static, batch=64)
     n = 6000
     counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
-    for r in cont.run([PROMPT] * n, list(range(n))):
+    for r in static.run([PROMPT] * n, list(range(n)), batching=Continuous(64)):
         counts[tuple(r.token_ids[:N_TOKENS])] += 1
     assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
 
@@ -107,9 +112,8 @@ def test_switching_k_between_chunks_keeps_greedy_output(drafter):
     sp = SamplingParams(0.0)
     ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
     policy = _Cycle(3)
-    cont = ContinuousEngine(_eos_engine(sp, drafter, 3, max_new=20), batch=3, ks=(0, 1, 3),
-                            policy=policy, chunk_rounds=3)
-    got = cont.run(PROMPTS, SEEDS)
+    cont = switching(_eos_engine(sp, drafter, 3, max_new=20), (0, 1, 3), policy)
+    got = cont.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=3))
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     assert set(cont.k_rounds) == {0, 1, 3} and max(policy.seen) == 3
     assert any(r.loops for r in got) and all(r.loops <= r.calls for r in got)
@@ -120,9 +124,8 @@ def test_wide_rounds_stay_out_of_the_k_policy_counts():
     describe the chunk's own K only, so positions 2-4 stay untested (counting the wide
     rounds' long matches there made the policy overrate K = 4)."""
     sp = SamplingParams(0.0)
-    cont = ContinuousEngine(_eos_engine(sp, "hybrid-wide", 4, max_new=20), batch=3, ks=(1, 4),
-                            policy=_Plain(), chunk_rounds=4)
-    got = cont.run(PROMPTS, SEEDS)
+    cont = switching(_eos_engine(sp, "hybrid-wide", 4, max_new=20), (1, 4), _Plain())
+    got = cont.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=4))
     assert any(3 in r.drafted for r in got)  # wide rounds ran
     accepted, tested = cont.depth
     assert tested[0] > 0 and not tested[1:].any() and not accepted[1:].any()
@@ -132,11 +135,10 @@ def test_switching_k_samples_exactly():
     """The same switching under sampling (temperature 1, the feature draft whose cache and
     features must survive plain chunks): chi-square against the exact target law."""
     sp = SamplingParams(1.0)
-    cont = ContinuousEngine(make_engine(sp, "feature", 3, max_new=N_TOKENS), batch=64,
-                            ks=(0, 1, 3), policy=_Cycle(3), chunk_rounds=1)
+    cont = switching(make_engine(sp, "feature", 3, max_new=N_TOKENS), (0, 1, 3), _Cycle(3))
     n = 6000
     counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
-    for r in cont.run([PROMPT] * n, list(range(n))):
+    for r in cont.run([PROMPT] * n, list(range(n)), batching=Continuous(64, chunk_rounds=1)):
         counts[tuple(r.token_ids[:N_TOKENS])] += 1
     assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
 
@@ -159,9 +161,8 @@ def test_plain_chunks_run_until_slots_free():
     sp = SamplingParams(0.0)
     ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS, SEEDS)
     policy = _Plain()
-    cont = ContinuousEngine(_eos_engine(sp, "model", 3, max_new=20), batch=3, ks=(0, 3),
-                            policy=policy, chunk_rounds=2)
-    got = cont.run(PROMPTS, SEEDS)
+    cont = switching(_eos_engine(sp, "model", 3, max_new=20), (0, 3), policy)
+    got = cont.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=2))
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     # at most one chunk per finished row (each frees a slot), and far fewer than rounds / 2
     assert policy.calls <= len(PROMPTS) < cont.k_rounds[0] / 2
@@ -174,37 +175,36 @@ def test_a_run_the_policy_keeps_plain_goes_without_the_drafter(monkeypatch):
     of plain rounds with the drafter (sampled: the same seeds, the same tokens). Where
     drafting is cheap the drafter stays. Catches a detached run whose samples differ, and a
     run that feeds a drafter it never uses."""
-    from specsamp.decoding import continuous
+    from specsamp.decoding import engine as engine_module
     from specsamp.decoding.costs import CostCurve
     from specsamp.decoding.kpolicy import KPolicy
 
     progs = []
-    real = continuous.compiled
+    real = engine_module.compiled
 
     def spy(fn, static, traced):
-        if "prog" in static or "variant" in static:  # inserts, chunks, resyncs
-            progs.append(static["prog"] if "prog" in static else static["variant"].prog)
+        if "prog" in static:  # inserts, chunks, resyncs
+            progs.append(static["prog"])
         return real(fn, static, traced)
 
-    monkeypatch.setattr(continuous, "compiled", spy)
+    monkeypatch.setattr(engine_module, "compiled", spy)
     sp = SamplingParams(1.0, 0, 0.9)
     eng = _eos_engine(sp, "feature", 3, max_new=20)
     ks = (0, 1, 3)
-    dear = ContinuousEngine(eng, batch=3, ks=ks, chunk_rounds=4,
-                            policy=KPolicy(CostCurve(3, {0: 1.0, 1: 10.0, 3: 30.0}), ks))
-    got = dear.run(PROMPTS, SEEDS)
+    batching = Continuous(3, chunk_rounds=4)
+    dear = switching(eng, ks, KPolicy(CostCurve(3, {0: 1.0, 1: 10.0, 3: 30.0}), ks))
+    got = dear.run(PROMPTS, SEEDS, batching=batching)
     assert progs and all(p.drafter is None for p in progs) and set(dear.k_rounds) == {0}
-    attached = ContinuousEngine(eng, batch=3, ks=ks, policy=_Plain(), chunk_rounds=4)
+    attached = switching(eng, ks, _Plain())
     progs.clear()
-    for row, plain in zip(got, attached.run(PROMPTS, SEEDS)):
+    for row, plain in zip(got, attached.run(PROMPTS, SEEDS, batching=batching)):
         assert row.token_ids == plain.token_ids
         assert (row.stop_reason, row.accepted, row.calls, row.draft_calls, row.drafted) == (
             plain.stop_reason, plain.accepted, plain.calls, plain.draft_calls, plain.drafted)
     assert all(p.drafter is not None for p in progs)
-    cheap = ContinuousEngine(eng, batch=3, ks=ks, chunk_rounds=4,
-                             policy=KPolicy(CostCurve(3, {0: 1.0, 1: 1.0, 3: 1.0}), ks))
+    cheap = switching(eng, ks, KPolicy(CostCurve(3, {0: 1.0, 1: 1.0, 3: 1.0}), ks))
     progs.clear()
-    cheap.run(PROMPTS, SEEDS)
+    cheap.run(PROMPTS, SEEDS, batching=batching)
     assert all(p.drafter is not None for p in progs) and set(cheap.k_rounds) - {0}
 
 
@@ -213,7 +213,7 @@ def test_prefill_groups_cover_rows_once_at_their_own_passes():
     passes than its own, or makes shapes other than powers of two; and one that splits
     when splitting saves little."""
     from specsamp.decoding.decode import PREFILL_CHUNK, prefill_chunks
-    from specsamp.decoding.engine import prefill_groups
+    from specsamp.decoding.shapes import prefill_groups
 
     lens = [81, 91, 91, 100, 101, 113, 113, 115, 122, 126, 129, 133, 135, 136, 137, 142, 143,
             144, 146, 148, 156, 157, 158, 159, 160, 160, 167, 167, 169, 201, 209, 212]
@@ -230,3 +230,82 @@ def test_prefill_groups_cover_rows_once_at_their_own_passes():
     assert prefill_groups([100, 120, 128, 97]) == [([0, 1, 2, 3], 4)]
     assert prefill_groups([120, 140]) == [([0, 1], 5)]  # 9 of 10 passes: not worth a split
     assert prefill_groups([30, 200]) == [([0], 1), ([1], 7)]
+
+
+def _distinct_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, tiny.TARGET.vocab_size, int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_static_and_continuous_policies_equal_greedy_autoregressive(drafter):
+    """One engine, three host policies: static batching, continuous batching over 3 slots
+    (refills, rows moved into fewer slots) and the plain autoregressive engine, all on
+    distinct prompts: greedy tokens are the same row for row. Catches a policy that maps a
+    result to another prompt, a refill that keeps a slot's previous occupant, and any
+    round that differs between the policies."""
+    sp = SamplingParams(0.0)
+    prompts = _distinct_prompts(7, 3)
+    seeds = list(range(7))
+    spec = _eos_engine(sp, drafter, 3, max_new=16)
+    ar = _eos_engine(sp, "none", 1, max_new=16).run(prompts, seeds)
+    static = spec.run(prompts, seeds)
+    cont = spec.run(prompts, seeds, batching=Continuous(3, chunk_rounds=2))
+    want = [r.token_ids for r in ar]
+    assert len(set(want)) > 3  # distinct prompts, distinct outputs
+    assert [r.token_ids for r in static] == want == [r.token_ids for r in cont]
+    assert all(r.loops for r in static)
+    for a, b in zip(static, cont):
+        assert (a.accepted, a.drafted, a.calls) == (b.accepted, b.drafted, b.calls)
+
+
+class _Recording(_Cycle):
+    """`_Cycle`, keeping the (accepted, tested) arrays it was given at each choice."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.inputs = []
+
+    def __call__(self, accepted, tested, depth):
+        self.inputs.append((accepted.copy(), tested.copy()))
+        return super().__call__(accepted, tested, depth)
+
+
+def test_acceptance_counts_after_k_switches():
+    """A drafter that is the target itself (greedy: every draft token is kept) in chunks
+    that switch K between 0, 1 and 3: each row's loops keep all they drafted at the K the
+    round ran (accepted == drafted, each round's tokens == accepted + 1), the K policy sees
+    every running row with accepted == tested, and the engine's counts by draft position
+    are exactly the rows' loops. Catches acceptance counted at another K than the round's
+    (e.g. the K of the chunk before a switch), which drops or misplaces a chunk's loops."""
+    from specsamp.decoding.decode import Program
+    from specsamp.decoding.drafters import ModelDrafter
+
+    sp = SamplingParams(0.0)
+    params = tiny.target_params()
+    same = Engine(Program(tiny.TARGET, sp, ModelDrafter(tiny.TARGET, 3, sp)), params, params,
+                  max_new_tokens=24)
+    policy = _Recording(3)
+    eng = switching(same, (0, 1, 3), policy)
+    prompts, seeds = _distinct_prompts(6, 5), list(range(6))
+    got = eng.run(prompts, seeds, batching=Continuous(3, chunk_rounds=2))
+    ar = _eos_engine(sp, "none", 1, max_new=24)
+    ar.eos_ids = ()
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar.run(prompts, seeds)]
+    assert set(eng.k_rounds) == {0, 1, 3}
+    assert {d for r in got for d in r.drafted} == {1, 3}  # drafted rounds at both K
+    for r in got:
+        rounds = r.rounds
+        for i, (n, kept) in enumerate(zip(rounds.tokens, rounds.accepted)):
+            if i + 1 < rounds.calls:  # the last round may be cut at max_new_tokens
+                assert n == (kept + 1 if kept >= 0 else 1)
+                assert kept < 0 or kept == rounds.drafted[i]
+        assert sum(rounds.tokens) == len(r.token_ids)
+    assert any(len(t) > 0 for _, t in policy.inputs)
+    for accepted, tested in policy.inputs:
+        np.testing.assert_array_equal(accepted, tested)
+    kept, tried = eng.depth
+    loops = [(n, k) for r in got for n, k in zip(r.accepted, r.drafted)]
+    for d in range(3):  # a loop of K that kept n tested positions 1..min(n + 1, K)
+        assert kept[d] == sum(n > d for n, _ in loops)
+        assert tried[d] == sum(min(n + 1, k) > d for n, k in loops)

@@ -15,7 +15,8 @@ from scipy import stats
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program, new_state
-from specsamp.decoding.engine import Engine, prefill_groups
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.shapes import prefill_groups
 from specsamp.models.llama import Transformer, init_cache
 from tests import tiny
 
@@ -298,13 +299,13 @@ def test_rounds_that_branch_update_the_kv_cache_in_place(drafter, k):
     twice per round, a third of a decode step at batch 1 on the embedded model."""
     import re
 
-    from specsamp.decoding.decode import decode, new_state
+    from specsamp.decoding.decode import generate, new_state
 
     engine = make_engine(SamplingParams(0.0), drafter, k)
     state = new_state(engine.prog, jnp.ones((2, 8), jnp.int32), jnp.array([8, 8]), 8,
                       jnp.zeros(2, jnp.uint32), 64)
-    hlo = decode.lower(engine.prog, engine.target_params, engine.draft_params, state,
-                       jnp.array([-1]), jnp.array([-1]), jnp.int32(4)).compile().as_text()
+    hlo = generate.lower(engine.prog, k, engine.target_params, engine.draft_params, state,
+                         jnp.array([-1]), jnp.array([-1]), jnp.int32(4), jnp.int32(3)).compile().as_text()
     cache = state.target_cache.k.shape
     shape = f"f32[{','.join(map(str, cache))}]"
     copies = [line for line in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* copy\(", line)]

@@ -122,7 +122,7 @@ def test_prompt_buckets_hold_the_prompt_with_little_padding():
     wastes most of the buffer and cache it sizes: every n fits, buckets never shrink as n
     grows, padding is under 32 tokens up to 128 and under a third of the bucket above, with
     few distinct shapes."""
-    from specsamp.decoding.engine import prompt_bucket
+    from specsamp.decoding.shapes import prompt_bucket
 
     sizes = [prompt_bucket(n) for n in range(1, 2049)]
     assert all(b >= n for n, b in zip(range(1, 2049), sizes))

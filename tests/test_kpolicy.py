@@ -77,17 +77,25 @@ def test_fresh_rows_borrow_the_pooled_rate():
     assert alpha[0] == pytest.approx(81 / 102)
 
 
+def _at_ks(engine, ks):
+    """`engine` at the K values ks (a K policy's)."""
+    import dataclasses
+
+    from specsamp.decoding.config import KChoice
+
+    return dataclasses.replace(engine, k=KChoice(ks, auto=True))
+
+
 def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
     """The first call times a round at every K of the engine and writes the seconds under
     $SPECSAMP_CACHE/costs; a second call reads them and times nothing."""
     from specsamp.decoding import costs
     from specsamp.decoding.config import SamplingParams
-    from specsamp.decoding.continuous import ContinuousEngine
     from tests.test_exactness import make_engine
 
     monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))
-    cont = ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4), 2, ks=(0, 2))
-    first = costs.cost_curve(cont, slots=128, width=16, repeats=1)
+    cont = _at_ks(make_engine(SamplingParams(0.0), "model", 4), (0, 2))
+    first = costs.cost_curve(cont, 2, slots=128, width=16, repeats=1)
     assert sorted(first.rounds) == [0, 2] and all(s > 0 for s in first.rounds.values())
     assert len(list((tmp_path / "costs").iterdir())) == 1
 
@@ -95,7 +103,7 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(costs, "time_rounds", no_timing)
-    assert costs.cost_curve(cont, slots=128, width=16) == first
+    assert costs.cost_curve(cont, 2, slots=128, width=16) == first
     # a rebuilt kernel library is a different machine for its costs, and so is the same
     # build running other code (SPECSAMP_ISA=avx512 on an AMX machine): measured afresh
     from specsamp.quant import kernels
@@ -104,44 +112,42 @@ def test_cost_curve_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(kernels, name, lambda other=other: other)
             with pytest.raises(AssertionError, match="measured again"):
-                costs.cost_curve(cont, slots=128, width=16)
-        assert costs.cost_curve(cont, slots=128, width=16) == first
+                costs.cost_curve(cont, 2, slots=128, width=16)
+        assert costs.cost_curve(cont, 2, slots=128, width=16) == first
     # other shapes, other K values, a float16 cache: other rounds
-    others = [(cont, 256, 16), (cont, 128, 32), (ContinuousEngine(cont.engine, 2, ks=(0, 1)), 128, 16),
-              (ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4, kv_cache="float16"), 2,
-                                ks=(0, 2)), 128, 16)]
-    for other, slots, width in others:
+    others = [(cont, 2, 256, 16), (cont, 2, 128, 32), (cont, 3, 128, 16), (_at_ks(cont, (0, 1)), 2, 128, 16),
+              (_at_ks(make_engine(SamplingParams(0.0), "model", 4, kv_cache="float16"), (0, 2)), 2, 128, 16)]
+    for other, batch, slots, width in others:
         with pytest.raises(AssertionError, match="measured again"):
-            costs.cost_curve(other, slots=slots, width=width)
+            costs.cost_curve(other, batch, slots=slots, width=width)
 
 
 def test_rounds_are_timed_as_the_engine_runs_them(monkeypatch):
     """costs.time_rounds runs each K's own chunk program, `rounds` rounds a call, from the same
     prefilled state: a K = 2 call drafts (2 draft tokens tested per row and round), a plain
     call does not, and neither stops early."""
-    from specsamp.decoding import continuous, costs
+    from specsamp.decoding import costs, decode
     from specsamp.decoding.config import SamplingParams
-    from specsamp.decoding.continuous import ContinuousEngine
     from tests.test_exactness import make_engine
 
-    cont = ContinuousEngine(make_engine(SamplingParams(0.0), "model", 4), 2, ks=(0, 2))
+    cont = _at_ks(make_engine(SamplingParams(0.0), "model", 4), (0, 2))
     seen = []
     real = costs.compiled
 
     def spy(fn, static, traced):
         exe, seconds = real(fn, static, traced)
-        if fn is not continuous.decode_chunk:
+        if fn is not decode.generate:
             return exe, seconds
 
         def run(**kw):
             state, ran = exe(**kw)
-            seen.append((static["variant"].plain or static["variant"].prog.drafter is None,
+            seen.append((static["k"] == 0,
                          int(ran), np.asarray(state.round_drafted).max()))
             return state, ran
         return run, seconds
 
     monkeypatch.setattr(costs, "compiled", spy)
-    rounds = costs.time_rounds(cont, slots=128, width=16, repeats=2, rounds=3)
+    rounds = costs.time_rounds(cont, 2, slots=128, width=16, repeats=2, rounds=3)
     assert sorted(rounds) == [0, 2] and all(s > 0 for s in rounds.values())
     assert [(plain, ran) for plain, ran, _ in seen] == [(True, 3), (False, 3)] * 2
     assert [drafted for plain, _, drafted in seen if not plain] == [2, 2]

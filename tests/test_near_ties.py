@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specsamp.decoding import continuous
+from specsamp.decoding import decode, engine as engine_module
 from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.continuous import ContinuousEngine
-from specsamp.decoding.decode import PREFILL_CHUNK, Program, new_state
-from specsamp.decoding.engine import Engine, prefill_groups, prompt_bucket
+from specsamp.decoding.decode import PREFILL_CHUNK, Program
+from specsamp.decoding.engine import Continuous, Engine
+from specsamp.decoding.shapes import prefill_groups, width_for
 from specsamp.models.model import Model
 from tests import tiny
 from tests.test_exactness import DRAFTS, PROMPT
@@ -57,19 +57,17 @@ def _stepwise(prompt: list[int], n: int, slots: int):
 
 
 def _engine_prefill(eng: Engine, prompts: list[list[int]]):
-    """The target cache after the engine's own prefill of `prompts` (its groups and
-    passes, as `Engine.run` makes them)."""
+    """The target cache after the engine's own prefill of `prompts` into a state of one
+    slot each (its groups and passes, as the runner's inserts make them)."""
     lens = np.array([len(p) for p in prompts], np.int32)
-    bucket = prompt_bucket(int(lens.max()))
-    padded = np.zeros((len(prompts), bucket), np.int32)
+    padded = np.zeros((len(prompts), width_for(prompts)), np.int32)
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
     seeds = np.arange(len(prompts), dtype=np.uint32)
-    state = new_state(eng.prog, jnp.asarray(padded), jnp.asarray(lens), eng.max_new_tokens,
-                      jnp.asarray(seeds), eng._slots(bucket))
-    calls, _ = eng._prefill_calls(state, prefill_groups(lens), padded, lens, seeds)
-    for call in calls:
-        state = call(state)
+    state = eng.empty(eng.prog, len(prompts), eng.slots_for(prompts))
+    for rows, chunks in prefill_groups(lens):
+        at = np.asarray(rows)
+        state, _ = eng.insert(eng.prog, state, padded[at], lens[at], seeds[at], at.astype(np.int32), chunks)
     return state.target_cache
 
 
@@ -103,20 +101,20 @@ def test_rows_moved_unsorted_into_fewer_slots_with_fillers(monkeypatch):
     for s in sorted(order)]` in `_Run.compact`), and results mapped back to the prompts of
     a sorted order."""
     orders = []
-    real = continuous.compiled
+    real = engine_module.compiled
 
     def spy(fn, static, traced):
-        if fn is continuous.gather_rows:
+        if fn is decode.gather_rows:
             orders.append(np.asarray(traced["rows"]).tolist())
         return real(fn, static, traced)
 
-    monkeypatch.setattr(continuous, "compiled", spy)
+    monkeypatch.setattr(engine_module, "compiled", spy)
     sp = GREEDY
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, tiny.TARGET.vocab_size, n).tolist() for n in (3, 9, 2, 14, 6, 5, 11, 4, 8)]
     seeds = list(range(50, 50 + len(prompts)))
     static = engine("early-exit", 2, 20, sp, eos=(5,))
-    got = ContinuousEngine(static, batch=6, chunk_rounds=2).run(prompts, seeds)
+    got = static.run(prompts, seeds, batching=Continuous(6, chunk_rounds=2))
     assert any(o != sorted(o) for o in orders), orders  # rows moved out of sorted order
     for row, alone in zip(got, static.run(prompts, seeds)):
         assert row.token_ids == alone.token_ids

@@ -80,7 +80,7 @@ def test_generator_k_auto_and_continuous_give_greedy_baseline_text(tmp_path):
     base = [c.token_ids for c in gen("none", 1).generate(PROMPTS, seeds)]
     auto = gen("ngram", "auto")
     assert [c.token_ids for c in auto.generate(PROMPTS, seeds)] == base
-    assert sum(auto._continuous.k_rounds.values()) > 0
+    assert sum(auto.engine.k_rounds.values()) > 0
     cont = gen("ngram", 2, "continuous").generate(PROMPTS, seeds)
     assert [c.token_ids for c in cont] == base and all(c.k == 2 for c in cont)
 
@@ -160,12 +160,12 @@ def test_static_settings_run_each_batch_in_turn(recorded):
 def test_continuous_settings_take_turns_chunk_by_chunk(recorded, monkeypatch):
     """Continuous streams are interleaved too: each setting runs one chunk of its stream in
     turn (the engines keep their own slots), until one has no chunk left."""
-    from specsamp.decoding import continuous
+    from specsamp.decoding import batching
 
     load, _ = recorded
     chunks = []  # the engine of each chunk, in order (a run collects once per chunk)
-    collect = continuous._Run.collect
-    monkeypatch.setattr(continuous._Run, "collect", lambda run: (chunks.append(run.owner), collect(run))[1])
+    collect = batching._Run.collect
+    monkeypatch.setattr(batching._Run, "collect", lambda run: (chunks.append(run.engine), collect(run))[1])
     rows = run_throughput(load, PROMPTS, "ngram", [2], [2], ["continuous"])
     a, b = chunks[0], chunks[1]
     assert a is not b
@@ -178,16 +178,18 @@ def test_continuous_settings_take_turns_chunk_by_chunk(recorded, monkeypatch):
 
 
 def test_static_auto_computes_whole_static_batches(recorded):
-    """With K auto a static setting runs on a continuous engine with nothing to refill; it
-    must not move a batch's last rows into fewer slots either (a static batch computes all
-    its slots until its longest row ends, as the static baseline does), or it gains what
-    batching, not speculation, gives. The last batch here has 2 prompts in 4 slots, which
-    a compacting engine moves into 2 slots; continuous settings still compact."""
+    """With K auto a static setting runs static batches, as the static baseline does: it
+    must not move a batch's last rows into fewer slots (a static batch computes all its
+    slots until its longest row ends), or it gains what batching, not speculation, gives.
+    The batches here have 4 and 2 prompts (a compacting run moves the last rows of 4 slots
+    into 2 and 1); continuous settings still compact."""
     load, calls = recorded
     run_throughput(load, PROMPTS, "ngram", ["auto"], [4], ["static", "continuous"])
-    static = {s for s, group in calls if len(group) <= 4 and s.cont is not None}
-    assert len(static) == 1 and set(static.pop().cont.slot_rounds) == {4}
-    assert all(s.cont.compact for s, group in calls if len(group) == len(PROMPTS))
+    static = {s for s, group in calls if len(group) <= 4 and s.engine.k.auto}
+    assert len(static) == 1 and set(static.pop().engine.slot_rounds) == {4, 2}
+    streams = [s for s, group in calls if len(group) == len(PROMPTS)]
+    assert streams and all(s.batching.compact for s in streams)
+    assert any(set(s.engine.slot_rounds) - {4} for s in streams)
 
 
 def test_repeats_alternate_the_order_of_settings(recorded):

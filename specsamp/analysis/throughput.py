@@ -35,13 +35,14 @@ call (`specsamp.compilation`) and report the seconds apart. Figures:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Callable, Iterator, Sequence
 
 from specsamp.decoding import stats
-from specsamp.decoding.continuous import ContinuousEngine
-from specsamp.decoding.kpolicy import AUTO_KS, auto_policy
+from specsamp.decoding.engine import Continuous, Static
+from specsamp.decoding.kpolicy import auto_policy
 
 AUTO = "auto"
 
@@ -57,46 +58,35 @@ class Measure:
     k_rounds: dict = dataclasses.field(default_factory=dict)
 
 
-def _continuous(engine, batch: int, k, prompts, compact: bool = True) -> ContinuousEngine:
-    if k != AUTO:
-        return ContinuousEngine(engine, batch, compact=compact)
-    # Chunks of 16 rounds at most: the policy re-decides K as acceptance estimates move.
-    cont = ContinuousEngine(engine, batch, ks=AUTO_KS, chunk_rounds=16, compact=compact)
-    cont.policy = auto_policy(cont, prompts)
-    return cont
-
-
 class _Setting:
-    """One setting's engine and running totals, fed groups of the prompts in turn:
-    `static` through the static engine (with K auto, a continuous engine with nothing to
-    refill that never moves its rows into fewer slots either, so that it computes what a
-    static batch computes), `continuous` through `batch` slots. Seeds are the prompts'
-    indices."""
+    """One setting's engine, batching policy and running totals, fed groups of the prompts
+    in turn: `static` batches (a batch runs until its longest row ends), `continuous`
+    through `batch` slots. Seeds are the prompts' indices. With K auto, chunks of 16
+    rounds at most: the policy re-decides K as acceptance estimates move."""
 
     def __init__(self, engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k):
         self.engine, self.prompts, self.m = engine, prompts, Measure()
-        self.cont = (_continuous(engine, batch, k, prompts, compact=batching == "continuous")
-                     if batching == "continuous" or k == AUTO else None)
+        chunk = 16 if k == AUTO else 1 << 30
+        self.batching = (Continuous(batch, chunk_rounds=chunk) if batching == "continuous"
+                         else Static(chunk_rounds=chunk))
+        if engine.policy is None and len(engine.k.ks) > 1:
+            engine.policy = auto_policy(engine, batch, prompts)
 
     def feed(self, group: Sequence[int]) -> Iterator[None]:
-        """Runs the prompts of `group`, yielding after each chunk of rounds of a continuous
-        engine (a static batch runs whole, without yielding), so that settings can take
-        turns (`_take_turns`)."""
-        m, prompts = self.m, [self.prompts[i] for i in group]
+        """Runs the prompts of `group`, yielding after each chunk of rounds, so that
+        settings can take turns (`_take_turns`). Totals are the engine's inserts and chunks
+        during the run (an engine may serve several settings, in turn, not at once)."""
+        m, prompts, eng = self.m, [self.prompts[i] for i in group], self.engine
         m.prompts += len(prompts)
         m.prompt_tokens += sum(len(p) for p in prompts)
-        if self.cont is not None:
-            cont = self.cont
-            samples = yield from cont.steps(prompts, list(group))
-            m.generated += sum(len(r.token_ids) for r in samples)
-            m.prefill_s, m.decode_s, m.k_rounds = cont.prefill_s, cont.decode_s, dict(cont.k_rounds)
-            m.rounds = sum(m.k_rounds.values())
-            return
-        rows = self.engine.run(prompts, list(group))
-        m.prefill_s += rows[0].prefill_s  # the batch's prefill and decoding (compiling apart)
-        m.decode_s += rows[0].batch_decode_s
-        m.rounds += rows[0].batch_rounds
-        m.generated += sum(len(r.token_ids) for r in rows)
+        before = eng.prefill_s, eng.decode_s, collections.Counter(eng.k_rounds)
+        samples = yield from eng.steps(prompts, list(group), batching=self.batching)
+        m.generated += sum(len(r.token_ids) for r in samples)
+        m.prefill_s += eng.prefill_s - before[0]
+        m.decode_s += eng.decode_s - before[1]
+        k_rounds = collections.Counter(m.k_rounds) + (eng.k_rounds - before[2])
+        m.k_rounds = dict(k_rounds)
+        m.rounds = sum(k_rounds.values())
 
 
 _DONE = object()

@@ -42,7 +42,6 @@ def run(args) -> int:
     import time
 
     from specsamp.decoding.generator import load_generator
-    from specsamp.decoding.kpolicy import K_AUTO
     from specsamp.runconfig import K_AUTO as TABLE_K_AUTO
     from specsamp.runconfig import k_label
 
@@ -54,8 +53,8 @@ def run(args) -> int:
     gen = load_generator(spec)
     [c] = gen.generate([args.prompt], [args.seed])
     s = c.stats()
-    if spec.k == K_AUTO and c.k:  # (a Completion's k is then the largest K the policy may pick)
-        s["k"] = TABLE_K_AUTO
+    if spec.draft_k.auto and c.k:  # (a Completion's k is then the largest K the policy may pick)
+        s["k"] = spec.draft_k.table
     if args.json:
         print_json({"text": c.text, "token_ids": list(c.token_ids), **s})
         return 0

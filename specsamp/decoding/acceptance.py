@@ -49,7 +49,6 @@ def accept_greedy(draft: jax.Array, argmax: jax.Array) -> jax.Array:
     on a_k, so x~_k is kept iff it is a_k, and the token emitted after n kept ones is
     a_n (the residual of a point mass at a_n and a draft elsewhere is that point mass; at
     n = K, the bonus). `accept_batch` on the one-hot q gives the same for any p; this skips
-    building and drawing from [B, K+1, V] arrays (about 0.2 ms a round at batch 1 on a 49k
-    vocabulary)."""
+    building and drawing from [B, K+1, V] arrays."""
     k = draft.shape[1]
     return jnp.sum(jnp.cumprod((draft == argmax[:, :k]).astype(jnp.int32), axis=1), axis=1)

@@ -51,6 +51,51 @@ def check_k(k: int) -> int:
     return k
 
 
+@dataclasses.dataclass(frozen=True)
+class KChoice:
+    """Draft tokens per round, the one form K takes inside decoding.
+
+    ks: the K values rounds may run at (0: plain autoregressive rounds); one for a fixed K.
+    auto: a K policy picks one of ks before each chunk of rounds (`kpolicy`, `--k auto`).
+    wide: a hybrid drafter's wide rounds score this many lookup tokens in chunks of a
+      smaller K (0: none).
+    """
+
+    ks: tuple[int, ...]
+    auto: bool = False
+    wide: int = 0
+
+    @property
+    def largest(self) -> int:
+        """The K the drafter is built for (every other K is `Drafter.with_k` of it)."""
+        return max(self.ks)
+
+    @property
+    def table(self) -> int:
+        """The output tables' k column: -1 for auto, else the fixed K."""
+        return -1 if self.auto else self.ks[0]
+
+    def __str__(self) -> str:
+        return "auto" if self.auto else str(self.ks[0])
+
+
+def fixed_k(k: int) -> KChoice:
+    return KChoice((k,))
+
+
+# `--k auto`: the K values the policy switches between (one compiled round program each),
+# and wide lookup rounds of 3 tokens on 3-token matches in chunks of a smaller K
+# (`HybridDrafter.wide`; docs/measurements.md gives the replay behind these values).
+AUTO_K = KChoice((0, 1, 2, 4), auto=True, wide=3)
+
+
+def parse_k(value) -> KChoice:
+    """A user's K ('auto' or an integer 1..32) as a KChoice."""
+    if isinstance(value, KChoice):
+        return value
+    return AUTO_K if value == "auto" else fixed_k(check_k(value))
+
+
 # What the target's KV cache holds: "auto" (the run's dtype, `specsamp.loading.DTYPES`:
 # float32 unless the model runs in bfloat16), float32, float16 (half the memory; at batch
 # 32 the cache attention is bound by reading it, `docs/throughput.md`) or bfloat16. Keys

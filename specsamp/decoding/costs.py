@@ -4,15 +4,13 @@ Both are timed the same way, as they run inside the decoding loop: a compiled lo
 `_INNER` forwards (batch 1, same cache size) that updates its cache in place and consumes
 the logits, divided by `_INNER`; median of several calls after a warm-up. (Timing single
 jitted calls instead adds the host dispatch and a copy of the whole cache to every call,
-~10 ms here, which inflates step costs and flattens their ratios.) N-gram costs ~0.
+which inflates step costs and flattens their ratios.) N-gram costs ~0.
 
 `cost_curve` measures, for the batch-aware K policy (`specsamp.decoding.kpolicy`), the
 seconds of whole decoding rounds at a batch size: a plain round and a round at each K, as
-the continuous engine runs them (`time_rounds`). Summing forwards instead
-(a target call of K+1 tokens plus K draft calls) left out what else a drafted round does
-(the drafter's refresh and head, the acceptance, the bookkeeping) and underrated drafting's
-cost: at batch 32 here such a sum put a K = 1 round at 1.78 plain rounds where the engine's
-took 2.07, and the policy drafted there at 0.6-0.8x the plain rounds' tokens per second.
+the engine runs them (`time_rounds`), not a sum of forwards, which leaves out what else a
+drafted round does (the drafter's refresh and head, the acceptance, the bookkeeping) and
+underrates drafting's cost (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -30,7 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import empty_state, generate, insert, prefill_chunks
+from specsamp.decoding.drafters import ModelDrafter
 from specsamp.models import ModelConfig, init_cache
+from specsamp.quant import kernels
 
 
 _INNER = 8
@@ -48,9 +50,6 @@ def _steps(model, params, tokens, positions, cache):
 
 def _plain(cfg: ModelConfig):
     """The plain decoder's forward, in the drafters' `forward` form."""
-    from specsamp.decoding.config import SamplingParams
-    from specsamp.decoding.drafters import ModelDrafter
-
     return ModelDrafter(cfg, 1, SamplingParams())
 
 
@@ -100,34 +99,30 @@ class CostCurve:
     rounds: dict[int, float]
 
 
-def _curve_path(cont, slots: int, width: int) -> str:
-    from specsamp.quant.kernels import isa, library_digest
-
-    engine = cont.engine
+def _curve_path(engine, batch: int, slots: int, width: int) -> str:
     drafter = engine.prog.drafter
     # the native kernels' build and the code they run too (SPECSAMP_ISA may cap it): a
     # rebuilt or capped kernel changes every cost
     ident = repr(("rounds", jax.devices()[0].device_kind, platform.machine(), jax.__version__,
-                  library_digest(), isa(), engine.prog.target, engine.prog.kv_cache,
+                  kernels.library_digest(), kernels.isa(), engine.prog.target, engine.prog.kv_cache,
                   engine.prog.sampling, drafter.with_k(1) if drafter is not None else None,
-                  engine.max_new_tokens, cont.batch, tuple(cont.ks), slots, width))
+                  engine.max_new_tokens, batch, engine.k.ks, slots, width))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp"))
     return os.path.join(root, "costs", f"{name}.json")
 
 
-def time_rounds(cont, slots: int, width: int, repeats: int = 5, rounds: int = 4) -> dict[int, float]:
-    """Seconds of one round of continuous engine `cont` at each K of its ks (0: plain), as
-    its `run` runs it: the chunk program of that K, `rounds` rounds a call, over all its
-    `batch` rows prefilled with `width` random tokens (in which a lookup drafter finds no
-    match: the drafter's model round, the dearer one) and never stopping. The K values take
-    turns in each of `repeats` repeats, each from a copy of the same state; a K's seconds
-    are the median over repeats of its ratio to the first K's in the same repeat, times the
-    first K's median (a drift of the machine's speed falls on every K alike)."""
-    from specsamp.decoding.continuous import decode_chunk, empty_state
-    from specsamp.decoding.decode import insert, prefill_chunks
-
-    eng, b = cont.engine, cont.batch
+def time_rounds(engine, batch: int, slots: int, width: int, repeats: int = 5,
+                rounds: int = 4) -> dict[int, float]:
+    """Seconds of one round of `engine` at each K of engine.k.ks (0: plain) over `batch`
+    slots, as its runner runs it: the round program at that K (`decode.generate`),
+    `rounds` rounds a call, over all rows prefilled with `width` random tokens (in which a
+    lookup drafter finds no match: the drafter's model round, the dearer one) and never
+    stopping. The K values take turns in each of `repeats` repeats, each from a copy of
+    the same state; a K's seconds are the median over repeats of its ratio to the first
+    K's in the same repeat, times the first K's median (a drift of the machine's speed
+    falls on every K alike)."""
+    eng, b = engine, batch
     prompts = np.random.default_rng(0).integers(0, eng.prog.target.vocab_size, (b, width))
     traced = dict(target_params=eng.target_params, draft_params=eng.draft_params,
                   state=eng.place(empty_state(eng.prog, b, slots, eng.max_new_tokens)),
@@ -140,7 +135,7 @@ def time_rounds(cont, slots: int, width: int, repeats: int = 5, rounds: int = 4)
     traced = dict(target_params=eng.target_params, draft_params=eng.draft_params, state=start,
                   eos_ids=never, stop_ids=never, max_rounds=jnp.int32(rounds),
                   refill_at=jnp.int32(b + 1))
-    calls = [compiled(decode_chunk, dict(variant=v), traced)[0] for v in cont.variants]
+    calls = [compiled(generate, dict(prog=eng.prog, k=k), traced)[0] for k in eng.k.ks]
     seconds = [[] for _ in calls]
     for _ in range(repeats):
         for i, exe in enumerate(calls):
@@ -150,21 +145,21 @@ def time_rounds(cont, slots: int, width: int, repeats: int = 5, rounds: int = 4)
             seconds[i].append((time.perf_counter() - t0) / max(ran, 1))
     first = statistics.median(seconds[0])
     return {k: first * statistics.median(s / s0 for s, s0 in zip(times, seconds[0]))
-            for k, times in zip(cont.ks, seconds)}
+            for k, times in zip(eng.k.ks, seconds)}
 
 
-def cost_curve(cont, slots: int, width: int, repeats: int = 5) -> CostCurve:
-    """The round costs of continuous engine `cont` (its batch, its K values) at `slots`
-    cache slots and prompts `width` tokens wide, measured once per machine, model,
-    drafter, settings and shape, and cached on disk under $SPECSAMP_CACHE/costs."""
-    path = _curve_path(cont, slots, width)
+def cost_curve(engine, batch: int, slots: int, width: int, repeats: int = 5) -> CostCurve:
+    """The round costs of `engine` (its K values) over `batch` slots of `slots` cache
+    positions and prompts `width` tokens wide, measured once per machine, model, drafter,
+    settings and shape, and cached on disk under $SPECSAMP_CACHE/costs."""
+    path = _curve_path(engine, batch, slots, width)
     if os.path.exists(path):
         with open(path) as fh:
             raw = json.load(fh)
-        return CostCurve(cont.batch, {int(k): s for k, s in raw["rounds"].items()})
-    rounds = time_rounds(cont, slots, width, repeats)
+        return CostCurve(batch, {int(k): s for k, s in raw["rounds"].items()})
+    rounds = time_rounds(engine, batch, slots, width, repeats)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as fh:
         json.dump({"rounds": rounds}, fh)
     os.replace(path + ".tmp", path)  # atomic: parallel workers never read half a file
-    return CostCurve(cont.batch, rounds)
+    return CostCurve(batch, rounds)

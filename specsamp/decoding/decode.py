@@ -1,5 +1,7 @@
-"""The compiled programs: prefill, and a decode loop (`jax.lax.while_loop`) whose body is one
-round of either plain autoregressive sampling (the baseline) or speculative sampling.
+"""The compiled programs, the engine's device side: `insert` (prefill prompts into slots),
+`generate` (a loop, `jax.lax.while_loop`, of rounds at one K: plain autoregressive rounds,
+the baseline, or speculative ones), `gather_rows` (move rows into fewer slots) and
+`resync` (rebuild a drafter's cache after plain rounds).
 
 `Program` is static (hashable): model configs, K, the sampling transform, the drafter.
 Parameters and state are traced arguments, so one compiled program serves any weights of
@@ -18,10 +20,12 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.drafters import Drafter
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
-    RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
+    MAX_TOKENS, RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
 )
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.argmax import first_argmax
+from specsamp.models.model import default_attention
+from specsamp.quant import kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +34,32 @@ class Program:
     sampling: SamplingParams
     drafter: Drafter | None = None  # None: autoregressive baseline
     kv_cache: str = "float32"  # the target cache's type (`config.KV_CACHES`)
+    # Whether the native CPU kernels (attention over the cache, the argmax) or XLA compute
+    # this program: decided once (`with_backend`, when an `Engine` is built) and carried
+    # as part of the static program; None: decided wherever a model is traced.
+    native: bool | None = None
+
+    def with_backend(self) -> "Program":
+        """This program with its backend decided: the native kernels on one CPU device
+        where they load (`quant.kernels.on_one_cpu_device`), else XLA; its drafter too."""
+        if self.native is not None:
+            return self
+        native = kernels.on_one_cpu_device()
+        drafter = self.drafter.with_native(native) if self.drafter is not None else None
+        return dataclasses.replace(self, native=native, drafter=drafter)
+
+    @property
+    def model(self) -> Model:
+        """The target, on this program's backend (the mesh is the state's placement)."""
+        return Model(self.target, attention=default_attention(self.target, None, self.native))
 
     @property
     def k(self) -> int:
         return self.drafter.k if self.drafter is not None else 0
+
+    def at_k(self, k: int) -> "Program":
+        """This program with its drafter drafting k tokens a round (k >= 1)."""
+        return self if k == self.k else dataclasses.replace(self, drafter=self.drafter.with_k(k))
 
     @property
     def span(self) -> int:
@@ -66,12 +92,18 @@ def new_state(
     )
 
 
+def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeState:
+    """B free slots: every row done, nothing to compute for them."""
+    ones = jnp.ones((batch,), jnp.int32)
+    state = new_state(prog, jnp.zeros((batch, 1), jnp.int32), ones, max_new,
+                      jnp.zeros((batch,), jnp.uint32), slots)
+    return state.replace(stop_reason=jnp.full((batch,), MAX_TOKENS, jnp.int32))
+
+
 # Positions a pass of prefill's loop feeds. A prompt is prefilled in passes of this many
 # positions, so it computes fewer than PREFILL_CHUNK padding positions (a one-token prompt:
-# one pass; padding to `engine.prompt_bucket` cost a fifth of a batch's prefill), and one
-# compiled prefill serves every prompt length: the count of passes is traced. Passes of 32,
-# 40, 80 and 160 positions over the same 160 took the same time within the machine's noise
-# at 4 and 8 rows (one process, interleaved; docs/throughput.md).
+# one pass), and one compiled prefill serves every prompt length: the count of passes is
+# traced (docs/measurements.md: why 32).
 PREFILL_CHUNK = 32
 
 
@@ -94,7 +126,7 @@ def prefill(prog: Program, target_params, draft_params, state: DecodeState, chun
     row's prompt (those only write padding)."""
     c = PREFILL_CHUNK
     b = state.tokens.shape[0]
-    target = Model(prog.target)
+    target = prog.model
 
     def one_pass(i, state):
         start = i * c
@@ -147,16 +179,26 @@ def insert(prog: Program, target_params, draft_params, state: DecodeState, promp
     return scatter_rows(state, fresh, slots)
 
 
+@jax.jit(static_argnames=("prog", "width"), donate_argnames=("state",))
+def resync(prog: Program, draft_params, state: DecodeState, width: int) -> DecodeState:
+    """Rebuild the drafter's cache from each row's tokens 0..width-1 (width: at least every
+    running row's length), after plain rounds that did not feed it. Positions past a row's
+    length get stale entries that later writes overwrite, as in prefill."""
+    start = jnp.zeros((state.tokens.shape[0],), jnp.int32)
+    return state.replace(draft=prog.drafter.prefill(draft_params, state.tokens[:, :width],
+                                                    state.draft, start))
+
+
 def _ar_round(prog: Program, target_params, state: DecodeState, eos_ids, stop_ids):
     t = state.current
     current = gather_window(state.tokens, t, 1)
-    target = Model(prog.target)
+    target = prog.model
     hidden, cache = target.forward(target_params, current, t[:, None], state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
     if prog.drafter is not None:  # e.g. keep a feature draft's inputs complete across plain rounds
         state = state.replace(draft=prog.drafter.observe(state.draft, hidden, t))
     if prog.sampling.greedy:  # sample() on the one-hot probabilities returns the argmax
-        x = first_argmax(logits[:, 0])
+        x = first_argmax(logits[:, 0], prog.native)
     else:
         x = jax.vmap(sample)(round_keys(state), probs_from_logits(logits[:, 0], prog.sampling))
     ones = jnp.ones_like(t)
@@ -213,12 +255,12 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
     t = state.current
     block = jnp.concatenate([gather_window(state.tokens, t, 1), draft], axis=1)  # [B, K+1]
     positions = t[:, None] + jnp.arange(k + 1)[None, :]
-    target = Model(prog.target)
+    target = prog.model
     hidden, cache = target.forward(target_params, block, positions, state.target_cache, head=False)
     logits = target.logits(target_params, hidden)
     draft_state = prog.drafter.observe(state.draft, hidden, t)  # e.g. the target's features
     if prog.sampling.greedy:  # q is a point mass on the argmax: no [B, K+1, V] arrays
-        argmax = first_argmax(logits)
+        argmax = first_argmax(logits, prog.native)
         n = accept_greedy(draft, argmax)
         if found is not None:
             n = jnp.where(found, n, 0)  # as _ar_round: the argmax at the current position
@@ -237,23 +279,30 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
                   drafted=k if found is None else jnp.where(found, k, 0))
 
 
-@jax.jit(static_argnames=("prog",), donate_argnames=("state",))
-def decode(prog: Program, target_params, draft_params, state: DecodeState, eos_ids, stop_ids,
-           max_rounds):
-    """Run rounds until every row is done or `max_rounds` rounds have run (the host may
-    resume a state to check stop strings or show progress between calls)."""
+def _round(prog: Program, k: int, target_params, draft_params, state, eos_ids, stop_ids):
+    if prog.drafter is None or k == 0:
+        # Plain rounds with a drafter leave its cache behind (`resync` catches up) but let
+        # it observe the target's hidden states (features), which only the target computes.
+        return _ar_round(prog, target_params, state, eos_ids, stop_ids)
+    return _spec_round(prog.at_k(k), target_params, draft_params, state, eos_ids, stop_ids)
+
+
+@jax.jit(static_argnames=("prog", "k"), donate_argnames=("state",))
+def generate(prog: Program, k: int, target_params, draft_params, state: DecodeState, eos_ids,
+             stop_ids, max_rounds, refill_at):
+    """The one round program: rounds at K = k (0: plain rounds, which keep a drafter's
+    features level so that drafting can resume later) until no row runs, `max_rounds`
+    have run, or at least `refill_at` rows are done (free slots the host can refill).
+    Returns (state, rounds run)."""
 
     def cond(carry):
         state, i = carry
-        return jnp.any(state.stop_reason == RUNNING) & (i < max_rounds)
+        running = state.stop_reason == RUNNING
+        free = jnp.sum(~running)
+        return jnp.any(running) & (i < max_rounds) & (free < refill_at)
 
     def body(carry):
         state, i = carry
-        if prog.drafter is None:
-            state = _ar_round(prog, target_params, state, eos_ids, stop_ids)
-        else:
-            state = _spec_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
-        return state, i + 1
+        return _round(prog, k, target_params, draft_params, state, eos_ids, stop_ids), i + 1
 
-    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-    return state
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))

@@ -31,6 +31,7 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
+from specsamp.models.model import cache_attention, default_attention
 from specsamp.models.argmax import first_argmax
 from specsamp.models.feature_draft import FeatureModel
 
@@ -90,6 +91,10 @@ class Drafter(Protocol):
 
     def with_k(self, k: int) -> "Drafter": ...
 
+    def with_native(self, native: bool) -> "Drafter":
+        """This drafter computing on the native kernels (True) or XLA (False): its
+        program's choice (`decode.Program.with_backend`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
@@ -103,6 +108,7 @@ class ModelDrafter:
     # least float, so the ids it lacks have draft probability 0 (never drafted; the
     # rejection rule's residual gives them the target's own mass). None: the same size.
     vocab_size: int | None = None
+    native: bool | None = None  # the program's backend (`Drafter.with_native`); None: at trace time
 
     @property
     def uses_cache(self) -> bool:
@@ -117,12 +123,12 @@ class ModelDrafter:
 
     def prefill(self, params, tokens, cache: KVCache, start) -> KVCache:
         positions = start[:, None] + prefix_positions(tokens)
-        _, cache = Model(self.cfg).forward(params, tokens, positions, cache, head=False)
+        _, cache = self._model().forward(params, tokens, positions, cache, head=False)
         return cache
 
     def forward(self, params, tokens, positions, cache):
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
-        logits, cache = Model(self.cfg).forward(params, tokens, positions, cache)
+        logits, cache = self._model().forward(params, tokens, positions, cache)
         missing = (self.vocab_size or self.cfg.vocab_size) - self.cfg.vocab_size
         if missing > 0:
             logits = jnp.pad(logits, ((0, 0), (0, 0), (0, missing)),
@@ -131,6 +137,12 @@ class ModelDrafter:
 
     def with_k(self, k: int) -> "ModelDrafter":
         return dataclasses.replace(self, k=k)
+
+    def with_native(self, native: bool) -> "ModelDrafter":
+        return dataclasses.replace(self, native=native)
+
+    def _model(self) -> Model:
+        return Model(self.cfg, attention=default_attention(self.cfg, None, self.native))
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         t = state.current
@@ -146,20 +158,20 @@ class ModelDrafter:
             logits, cache = self.forward(params, tok[:, None], (t + 1 + i)[:, None], cache)
             return logits[:, 0], cache
 
-        return Proposal(*_chain(_drawer(self.sampling, keys), lambda x: x, feed, logits, cache, self.k))
+        return Proposal(*_chain(_drawer(self.sampling, keys, self.native), lambda x: x, feed, logits, cache, self.k))
 
     @property
     def calls_per_round(self) -> int:
         return self.k
 
 
-def _drawer(sampling: SamplingParams, keys: jax.Array):
+def _drawer(sampling: SamplingParams, keys: jax.Array, native: bool | None):
     """draw(logits [B, V], i) -> (token [B], probs [B, V]): the i-th draft token of each row."""
 
     def draw(logits, i):
         probs = probs_from_logits(logits, sampling)
         if sampling.greedy:  # a point mass: sample() would return its one token
-            return first_argmax(logits.astype(jnp.float32)), probs
+            return first_argmax(logits.astype(jnp.float32), native), probs
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
         return jax.vmap(sample)(step_keys, probs), probs
 
@@ -205,10 +217,14 @@ class FeatureDrafter:
     k: int
     sampling: SamplingParams
     kind: str = "feature"
+    native: bool | None = None  # the program's backend (`Drafter.with_native`); None: at trace time
 
     @property
     def uses_cache(self) -> bool:
         return True
+
+    def _attention(self, cache: KVCache) -> str:
+        return cache_attention(default_attention(self.cfg, None, self.native), cache)
 
     @property
     def calls_per_round(self) -> int:
@@ -224,11 +240,15 @@ class FeatureDrafter:
     def prefill(self, params, tokens, fs: FeatureState, start) -> FeatureState:
         feats = _shifted_features(fs.features, start, tokens.shape[1])
         _, cache = FeatureModel(self.cfg).forward(
-            params, tokens, feats, start[:, None] + prefix_positions(tokens), fs.cache)
+            params, tokens, feats, start[:, None] + prefix_positions(tokens), fs.cache,
+            self._attention(fs.cache))
         return fs.replace(cache=cache)
 
     def with_k(self, k: int) -> "FeatureDrafter":
         return dataclasses.replace(self, k=k)
+
+    def with_native(self, native: bool) -> "FeatureDrafter":
+        return dataclasses.replace(self, native=native)
 
     def forward(self, params, tokens, positions, cache, features=None):
         """One draft call: (logits [B, T, V], cache); features default to zeros (what the
@@ -236,7 +256,7 @@ class FeatureDrafter:
         if features is None:
             features = jnp.zeros(tokens.shape + (self.cfg.d_model,), jnp.float32)
         model = FeatureModel(self.cfg)
-        g, cache = model.forward(params, tokens, features, positions, cache)
+        g, cache = model.forward(params, tokens, features, positions, cache, self._attention(cache))
         return model.logits(params, g), cache
 
     def refresh(self, params, state: DecodeState):
@@ -250,7 +270,8 @@ class FeatureDrafter:
         tokens = gather_window(state.tokens, start, width)
         feats = _shifted_features(fs.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
-        g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, fs.cache)
+        g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, fs.cache,
+                                                  self._attention(fs.cache))
         return jnp.take_along_axis(g, (t - start)[:, None, None], axis=1), fs.replace(cache=cache)
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
@@ -259,14 +280,15 @@ class FeatureDrafter:
         g, fs = self.refresh(params, state)
 
         def feed(tok, i, g, cache):  # chained steps read the draft's own features
-            return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache)
+            return model.forward(params, tok[:, None], g, (t + 1 + i)[:, None], cache,
+                                 self._attention(cache))
 
         if self.sampling.greedy:  # the argmax straight from a reduced head's logits
             vocab = self.cfg.vocab_size
-            head = lambda g: model.greedy_tokens(params, g)[:, 0]
+            head = lambda g: model.greedy_tokens(params, g, self.native)[:, 0]
             draw = lambda tok, i: (tok, jax.nn.one_hot(tok, vocab, dtype=jnp.float32))
         else:
             head = lambda g: model.logits(params, g)[:, 0]
-            draw = _drawer(self.sampling, keys)
+            draw = _drawer(self.sampling, keys, self.native)
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))

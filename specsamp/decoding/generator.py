@@ -15,13 +15,14 @@ from typing import Callable, Sequence
 import jax
 
 from specsamp.decoding.config import (
-    SamplingParams, check_k, check_kv_cache, check_max_new_tokens, parse_draft, resolve_kv_cache,
-    seed_for,
+    KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k, parse_draft, parse_k,
+    resolve_kv_cache, seed_for,
 )
+from specsamp.decoding.costs import measure_cost_ratio
 from specsamp.decoding.decode import Program
-from specsamp.decoding.engine import Engine
+from specsamp.decoding.engine import Continuous, Engine, Static
 from specsamp.decoding.factory import build_drafter, file_loader, resolve_auto
-from specsamp.decoding.kpolicy import AUTO_KS, K_AUTO, WIDE_LOOKUP
+from specsamp.decoding.kpolicy import auto_policy
 from specsamp.decoding.results import Completion
 from specsamp.errors import UserError
 from specsamp.mesh import check_tensor_parallel, make_mesh
@@ -49,7 +50,7 @@ class GeneratorSpec:
 
     target: str | None = None
     draft: str = "none"
-    k: int = 4
+    k: int | str = 4  # 1..32, or 'auto' (the batch-aware policy, `kpolicy`)
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 256
     chat: bool = False
@@ -58,16 +59,16 @@ class GeneratorSpec:
     stop_token_ids: tuple[int, ...] = ()
     batch_size: int = 1
     weights: str = "stored"
-    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.decoding.continuous`),
+    # 'continuous': the batch_size slots are refilled as rows finish (`specsamp.decoding.batching`),
     # so one generate call keeps them busy over all its prompts; k 'auto' implies it.
     batching: str = "static"
     tensor_parallel: int = 1
     kv_cache: str = "auto"
     dtype: str = "auto"
+    draft_k: KChoice = dataclasses.field(init=False, repr=False, compare=False)  # k, parsed
 
     def __post_init__(self):
-        if self.k != K_AUTO:
-            check_k(self.k)
+        object.__setattr__(self, "draft_k", parse_k(self.k))
         if self.batching not in ("static", "continuous"):
             raise UserError(f"batching must be 'static' or 'continuous', got {self.batching!r}")
         check_max_new_tokens(self.max_new_tokens)
@@ -89,7 +90,7 @@ class GeneratorSpec:
 
     @property
     def continuous(self) -> bool:
-        return self.batching == "continuous" or (self.k == K_AUTO and self.draft != "none")
+        return self.batching == "continuous" or (self.draft_k.auto and self.draft != "none")
 
 
 _MODELS: dict = {}
@@ -123,21 +124,19 @@ class Generator:
         self.target = load_model_once(spec.target, spec.weights, self.mesh, spec.dtype)
         self.tokenizer = self.target.tokenizer
         self.draft = resolve_auto(spec.draft, spec.target)
-        k = max(AUTO_KS) if spec.k == K_AUTO else spec.k  # auto: programs for K in AUTO_KS
+        k = spec.draft_k
         cfg = self.target.cfg
         load = file_loader(self.target, lambda path: load_model_once(path, spec.weights,
                                                                      dtype=self.target.dtype))
-        self.drafter, draft_params = build_drafter(self.draft, k, spec.sampling, cfg, self.target.params,
-                                                   load, self.mesh,
-                                                   wide=WIDE_LOOKUP if spec.k == K_AUTO else 0)
+        self.drafter, draft_params = build_drafter(self.draft, k.largest, spec.sampling, cfg,
+                                                   self.target.params, load, self.mesh, wide=k.wide)
         self.engine = Engine(
             Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype)),
             self.target.params, draft_params,
-            eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens,
-            rounds_per_call=16 if spec.stop else 1 << 30, mesh=self.mesh,
+            eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens, mesh=self.mesh,
+            k=k if self.drafter is not None else fixed_k(0),
         )
         self._cost_ratio: float | None = None
-        self._continuous = None  # ContinuousEngine, built on first use
 
     # Identity of what runs, for tables and reports.
     @property
@@ -191,25 +190,21 @@ class Generator:
     def _generate_batch(self, prompts, seeds) -> list[Completion]:
         ids = [self.encode_prompt(p) for p in prompts]
         stop_check = self._stop_check if self.spec.stop else None
-        raws = self.engine.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check)
+        raws = self.engine.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check,
+                               batching=Static(chunk_rounds=16 if self.spec.stop else 1 << 30))
         return [self._to_completion(r) for r in raws]
 
     def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
-        from specsamp.decoding.continuous import ContinuousEngine
-        from specsamp.decoding.kpolicy import auto_policy
-
         ids = [self.encode_prompt(p) for p in prompts]
-        if self._continuous is None:
-            auto = self.spec.k == K_AUTO and self.drafter is not None
-            self._continuous = ContinuousEngine(
-                self.engine, self.spec.batch_size, ks=AUTO_KS if auto else (),
-                chunk_rounds=16 if (self.spec.stop or auto) else 1 << 30)
-        cont = self._continuous
-        if cont.policy is None and len(cont.ks) > 1:
-            cont.policy = auto_policy(cont, ids)
+        eng, batch = self.engine, self.spec.batch_size
+        if eng.policy is None and len(eng.k.ks) > 1:
+            eng.policy = auto_policy(eng, batch, ids)
+        # Chunks of 16 rounds at most for stop strings, and under a K policy so that it
+        # re-decides K as acceptance estimates move.
+        chunk = 16 if (self.spec.stop or eng.k.auto) else 1 << 30
         stop_check = self._stop_check if self.spec.stop else None
-        raws = cont.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check,
-                        progress=progress)
+        raws = eng.run(ids, seeds, stop_ids=self.spec.stop_token_ids, should_stop=stop_check,
+                       progress=progress, batching=Continuous(batch, chunk_rounds=chunk))
         return [self._to_completion(r) for r in raws]
 
     def _stop_check(self, row: int, generated: list[int]) -> bool:
@@ -254,8 +249,6 @@ class Generator:
         """Measured draft step time / target step time on this machine (0 for n-gram,
         NaN for the baseline). Measured once, lazily."""
         if self._cost_ratio is None:
-            from specsamp.decoding.costs import measure_cost_ratio
-
             self._cost_ratio = measure_cost_ratio(self.engine) if self.drafter else math.nan
         return self._cost_ratio
 

@@ -27,7 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from specsamp.decoding.costs import CostCurve
+from specsamp.decoding.costs import CostCurve, cost_curve
+from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
 
 
@@ -58,16 +59,16 @@ def expected_tokens_by_position(a, rates, k: int):
 @dataclasses.dataclass
 class KPolicy:
     """policy(accepted, tested) -> index into ks, from the running rows' accepted and tested
-    draft tokens so far (see `specsamp.decoding.continuous.ContinuousEngine`)."""
+    draft tokens so far (see `specsamp.decoding.engine.Engine`)."""
 
     curve: CostCurve
     ks: Sequence[int]
     prior_weight: float = 4.0  # pseudo-observations of the pooled rate per row
     depth_weight: float = 16.0  # pseudo-observations of the first position's rate, per position
     # Draft only where the best K is predicted this much faster than plain rounds: the
-    # cost curve is measured once on a shared machine whose speed drifts by 10-20%, and
-    # where drafting is predicted to gain a few percent (batch 8 here) a curve off by that
-    # much turned the gain into a 20-30% loss; plain rounds cost what the baseline costs.
+    # cost curve is measured once on a machine whose speed drifts, and a predicted gain of
+    # a few percent is within a curve's error (docs/measurements.md); plain rounds cost
+    # what the baseline costs.
     margin: float = 0.05
 
     def __post_init__(self):
@@ -108,7 +109,7 @@ class KPolicy:
         """The index chosen for rows none of which has tested a draft token yet (each at
         the pooled prior), not recorded. A run whose first chunk this puts at K = 0 stays
         there: plain rounds test no draft, so the choice's inputs never change (the
-        continuous engine then runs it without the drafter, `ContinuousEngine.run`)."""
+        runner then runs it without the drafter, `batching.steps`)."""
         return self._best(np.zeros(1), np.zeros(1), depth)
 
     def _best(self, accepted, tested, depth) -> int:
@@ -121,18 +122,9 @@ class KPolicy:
         return best
 
 
-K_AUTO = "auto"  # GeneratorSpec.k for this policy
-AUTO_KS = (0, 1, 2, 4)  # the K values `--k auto` switches between (one program each)
-# and, for a hybrid drafter, the lookup tokens of its wide rounds (on 3-token matches) in
-# chunks of a smaller K: a replay of greedy HumanEval completions with measured costs gave
-# +5% at batch 1 over lookup at the chunk's K (`HybridDrafter.wide`)
-WIDE_LOOKUP = 3
-
-
-def auto_policy(cont, prompts) -> KPolicy:
-    """The policy for continuous engine `cont` (its batch, its K values) on a run of
-    `prompts`, from this machine's round costs at that shape (measured on first use, then
-    read from disk)."""
-    from specsamp.decoding.costs import cost_curve
-
-    return KPolicy(cost_curve(cont, cont.slots_for(prompts), cont.width_for(prompts)), cont.ks)
+def auto_policy(engine, batch: int, prompts) -> KPolicy:
+    """The policy for `engine` (its K values) running `batch` slots on a run of `prompts`,
+    from this machine's round costs at that shape (measured on first use, then read from
+    disk)."""
+    return KPolicy(cost_curve(engine, batch, engine.slots_for(prompts), width_for(prompts)),
+                   engine.k.ks)

@@ -48,6 +48,9 @@ class NgramDrafter:
     def with_k(self, k: int) -> "NgramDrafter":
         return dataclasses.replace(self, k=k)
 
+    def with_native(self, native: bool) -> "NgramDrafter":
+        return self  # no model
+
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
@@ -91,8 +94,8 @@ class HybridDrafter:
     # tokens, the round scores wide.k lookup tokens instead of K (a long match is usually
     # followed further). The model's refresh window stays K+1: after a wide round that kept
     # more than K tokens, the positions before the window keep the draft's older entries
-    # (proposals only, so still exact; widening every refresh to wide.k + 1 cost 0.3 ms a
-    # round at batch 1 and changed no accepted count on 10 HumanEval prompts).
+    # (proposals only, so still exact; a window of wide.k + 1 costs every round more and
+    # gains no accepted tokens, docs/measurements.md).
     wide: NgramDrafter | None = None
 
     @property
@@ -129,6 +132,9 @@ class HybridDrafter:
 
     def with_k(self, k: int) -> "HybridDrafter":
         return HybridDrafter(self.ngram.with_k(k), self.model.with_k(k), self.wide)
+
+    def with_native(self, native: bool) -> "HybridDrafter":
+        return dataclasses.replace(self, model=self.model.with_native(native))
 
     def wide_lookup(self, state: DecodeState) -> Proposal | None:
         """The wide lookup of this round when wide rounds are longer than K (else None);

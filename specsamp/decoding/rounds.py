@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Rounds:
@@ -58,8 +60,6 @@ class Rounds:
 
 def round_logs(state) -> list:
     """The decode state's round logs as numpy arrays [B, R], in `from_log`'s order."""
-    import numpy as np
-
     return [np.asarray(a) for a in (state.round_tokens, state.round_accepted,
                                     state.round_draft_calls, state.round_drafted)]
 
@@ -67,3 +67,49 @@ def round_logs(state) -> list:
 def from_log(tokens, accepted, draft_calls, drafted, calls: int) -> Rounds:
     """A row of the loop's round logs (numpy arrays [R], `round_logs`) with `calls` rounds."""
     return Rounds(*(tuple(int(x) for x in a[:calls]) for a in (tokens, accepted, draft_calls, drafted)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RawSample:
+    """What the device returns for one row, before detokenisation."""
+
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    stop_reason: str
+    rounds: Rounds  # what each target call did (cut with `cut`)
+    prefill_s: float  # the row's prefill: its batch's (static) or its share of its insert
+    batch_decode_s: float  # decoding over batch_rounds rounds (static: the batch's)
+    batch_rounds: int  # rounds batch_decode_s covers (static: the most target calls of a row)
+    compile_s: float = 0.0  # compiling programs (not in the times above; the column sums)
+
+    @property
+    def calls(self) -> int:  # target calls
+        return self.rounds.calls
+
+    @property
+    def loops(self) -> int:  # speculative rounds (calls that scored a draft)
+        return self.rounds.loops
+
+    @property
+    def draft_calls(self) -> int:
+        return self.rounds.total_draft_calls
+
+    @property
+    def accepted(self) -> tuple[int, ...]:  # draft tokens kept and emitted, per loop
+        return self.rounds.accepted_per_loop
+
+    @property
+    def drafted(self) -> tuple[int, ...]:  # draft tokens scored, per loop (its K)
+        return self.rounds.drafted_per_loop
+
+    @property
+    def decode_s(self) -> float:
+        """Decoding time until this row's last emitted token: the rounds of a batch take
+        equal time, so the batch's time x this row's rounds / the rounds the batch ran
+        (exact at batch size 1 when the loop stopped at the row's end)."""
+        return self.batch_decode_s * self.calls / max(self.batch_rounds, 1)
+
+    def cut(self, n_tokens: int) -> "RawSample":
+        """The sample up to its first n_tokens generated tokens, statistics included."""
+        return dataclasses.replace(self, token_ids=self.token_ids[:n_tokens],
+                                   rounds=self.rounds.cut(n_tokens))

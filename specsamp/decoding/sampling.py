@@ -48,9 +48,9 @@ _NUCLEUS_FAST_K = 256
 def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     """Keep the most likely tokens until their mass reaches top_p.
 
-    A full sort of 49,152 probabilities costs ~8 ms per row on a CPU, more than a decode
-    step, so the cut is first looked for among the 256 largest (lax.top_k, ~0.15 ms per
-    row); only when some row's nucleus is wider does the whole array get sorted. The full
+    A full sort of a large vocabulary's probabilities costs more than a decode step, so the
+    cut is first looked for among the 256 largest (lax.top_k, far cheaper); only when some
+    row's nucleus is wider does the whole array get sorted. The full
     path's running mass continues the fast path's (the top's cumulative sum, then the rest's
     added to its total), so where the top covers top_p both paths see bit-identical masses
     and give bit-identical cuts: which path ran never changes a row's distribution.
@@ -89,7 +89,7 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 
     Inverse CDF with one uniform draw per row: the token whose running mass first exceeds
     u x total. Gumbel-max over the vocabulary (jax.random.categorical) draws V random
-    numbers, ~1.3 ms per row on a CPU, more than the rest of a quantized decode step. The
+    numbers, which costs more than the rest of a quantized decode step. The
     running mass is taken in two levels (block sums, then one block of 256), which costs
     a reduction over V instead of a 49k-long prefix sum."""
     lead, v = probs.shape[:-1], probs.shape[-1]

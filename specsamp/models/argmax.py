@@ -9,16 +9,20 @@ import jax.numpy as jnp
 NATIVE_ARGMAX_FROM = 1024  # vocabulary sizes where the kernel's argmax pays
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
+def first_argmax(x: jax.Array, native: bool | None = None) -> jax.Array:
     """argmax over the last axis, first index on ties (as jnp.argmax; a row holding a NaN
     gives V - 1 on the kernel, and on XLA whatever its max reduction makes of a NaN: the
     index of the largest other value, or V - 1). On one CPU device with the native kernels,
     and a real vocabulary, one kernel call (`specsamp.quant.kernels.argmax`: one pass over
     the row where XLA makes three); elsewhere two vectorised reductions, which XLA:CPU runs
-    faster than its fused argmax (figures: docs/measurements.md, native kernels)."""
+    faster than its fused argmax (figures: docs/measurements.md, native kernels). native:
+    whether the native kernels run this program (decided once by its caller,
+    `decoding.decode.Program.native`); None: decided now."""
     from specsamp.quant import kernels
 
-    if x.shape[-1] >= NATIVE_ARGMAX_FROM and kernels.on_one_cpu_device():
+    if native is None:
+        native = kernels.on_one_cpu_device()
+    if x.shape[-1] >= NATIVE_ARGMAX_FROM and native:
         return kernels.argmax(x)
     return xla_first_argmax(x)
 

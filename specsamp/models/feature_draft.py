@@ -85,13 +85,13 @@ class FeatureModel:
     def logits(self, params, g):
         return draft_logits(self.cfg, params, g)
 
-    def greedy_tokens(self, params, g):
+    def greedy_tokens(self, params, g, native: bool | None = None):
         """The argmax token [...] of the draft's logits (first index on ties), without the
         full-vocabulary logits where the head is reduced: its ids are sorted, so the first
         of equal reduced logits is the first in vocabulary order, as over `logits`."""
         if "head_ids" not in params:
-            return first_argmax(self.logits(params, g))
-        return params["head_ids"][first_argmax(head_product(g, params["head"]["kernel"]))]
+            return first_argmax(self.logits(params, g), native)
+        return params["head_ids"][first_argmax(head_product(g, params["head"]["kernel"]), native)]
 
 
 def module_params(params):

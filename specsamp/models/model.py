@@ -167,12 +167,16 @@ def cache_attention(chosen: str, cache: KVCache) -> str:
     return chosen if cache.k.dtype in (jnp.float32, jnp.float16) else "xla"
 
 
-def default_attention(cfg: ModelConfig, mesh) -> str:
+def default_attention(cfg: ModelConfig, mesh, native: bool | None = None) -> str:
     """'cpu' where the native attention kernel applies: a CPU backend with one device (the
     decoding loop builds its models without the mesh, so a process with several devices
     keeps XLA's attention, which shards), the kernels loaded (SPECSAMP_QUANT_BACKEND=xla
-    turns them off), a head width the kernel takes."""
+    turns them off), a head width the kernel takes. native: whether the native kernels run
+    the program (decided once by its caller, `decoding.decode.Program.native`); None:
+    decided now."""
     from specsamp.quant import kernels
 
     fits = cfg.head_dim <= 256
-    return "cpu" if mesh is None and fits and kernels.on_one_cpu_device() else "xla"
+    if native is None:
+        native = kernels.on_one_cpu_device()
+    return "cpu" if mesh is None and fits and native else "xla"
