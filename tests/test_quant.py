@@ -181,6 +181,9 @@ def test_one_call_for_several_matrices(kind):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+# Outside the fast lane: a subprocess reruns the kernel test files per instruction set
+# (about 20 s each), and no exactness property depends on which set runs.
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_kernels_on_other_instruction_sets(isa):
     """This machine runs the AMX or AVX-512 code; others run AVX-512 without tiles, the AVX2
