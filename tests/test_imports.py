@@ -36,10 +36,8 @@ The floors, lowest first; a module imports its own floor and those below:
 Inside a floor, any direction is allowed, but no circle (lazy imports included: a circle
 of function-level imports still ties the modules into one, and is a start-up order away
 from an ImportError); a failure names one circle per strongly connected set of modules,
-with the file and line of each import on it. Two allowances, each listed below with its
-reason: `DECODING_PENDING`, the circles inside `specsamp/decoding/` that the engine's
-restructuring (issue 29, item 2) removes (empty it when that lands, and this test then
-holds for decoding too), and `COMPUTED_IMPORTS`, modules that import a name they are given.
+with the file and line of each import on it. One allowance, listed below with its
+reason: `COMPUTED_IMPORTS`, modules that import a name they are given.
 """
 
 from __future__ import annotations
@@ -71,13 +69,6 @@ ROOT_API, ROOT_API_FLOOR = "specsamp", 5
 # Edges inside specsamp/decoding/ that close an import circle today, each (importer,
 # imported). The engine branch restructures decoding; the lead empties this set after
 # merging it. Nothing outside specsamp/decoding/ may be listed here.
-DECODING_PENDING: set[tuple[str, str]] = {
-    # continuous -> kpolicy -> costs -> continuous: the cost curves time the continuous
-    # engine's chunk program (a function-level import in costs.time_rounds).
-    ("specsamp.decoding.costs", "specsamp.decoding.continuous"),
-}
-
-
 # Modules allowed to import a name computed at run time, which this test cannot follow.
 COMPUTED_IMPORTS = {
     # Beam ships the generator's loader to its workers as "module:function" (default
@@ -231,11 +222,6 @@ def _circle_in(graph, component: set[str]) -> list[str]:
     raise AssertionError(f"no circle in the component {sorted(component)}")
 
 
-def _without_pending(graph):
-    return {v: {w: line for w, line in edges.items() if (v, w) not in DECODING_PENDING}
-            for v, edges in graph.items()}
-
-
 def _describe(graph, known, circle) -> str:
     steps = [f"{v} -> {w} ({known[v].relative_to(ROOT)}:{graph[v][w]})"
              for v, w in zip(circle, circle[1:])]
@@ -255,19 +241,8 @@ def test_no_import_circle():
     importing the continuous engine that imports it."""
     known = modules()
     graph = import_graph(known)
-    found = circles(_without_pending(graph))
+    found = circles(graph)
     assert not found, "import circles:\n" + "\n".join(_describe(graph, known, c) for c in found)
-
-
-def test_pending_allowances_are_decoding_edges_that_exist():
-    """Catches an allowance used outside decoding, or one left after its edge is gone
-    (then remove it from DECODING_PENDING)."""
-    graph = import_graph(modules())
-    for importer, imported in sorted(DECODING_PENDING):
-        assert importer.startswith("specsamp.decoding.") and imported.startswith("specsamp.decoding."), (
-            f"DECODING_PENDING holds decoding's edges only, not {importer} -> {imported}")
-        assert imported in graph.get(importer, {}), (
-            f"{importer} no longer imports {imported}: remove it from DECODING_PENDING")
 
 
 def test_every_module_has_a_floor():

@@ -21,6 +21,7 @@ from specsamp.decoding.drafters import Drafter, FeatureDrafter, ModelDrafter
 from specsamp.decoding.drafts import default_draft
 from specsamp.decoding.lookup import HybridDrafter, NgramDrafter
 from specsamp.errors import UserError
+from specsamp.loading import check_draft_head
 from specsamp.models import Model, ModelConfig
 
 
@@ -79,7 +80,7 @@ def build_drafter(draft: str, k: int, sampling: SamplingParams, target_cfg: Mode
             drafter = FeatureDrafter(weights.cfg, k, sampling)
         else:
             drafter = ModelDrafter(weights.cfg, k, sampling, cache_dtype=_dtype_name(weights.params),
-                                   vocab_size=_padded_vocab(weights.cfg, target_cfg))
+                                   vocab_size=_padded_vocab(weights.cfg, target_cfg, arg))
     return drafter, _replicated(weights.params, mesh)
 
 
@@ -89,13 +90,11 @@ def _dtype_name(params) -> str:
     return compute_dtype(params).name
 
 
-def _padded_vocab(draft: ModelConfig, target: ModelConfig) -> int | None:
+def _padded_vocab(draft: ModelConfig, target: ModelConfig, name: str) -> int | None:
     """The size a draft model's logits are padded to: the target's, when the draft's head
-    is smaller (`ModelDrafter.vocab_size`). A larger draft head is refused: its extra ids
-    exist in neither tokenizer's vocabulary for the target."""
-    if draft.vocab_size > target.vocab_size:
-        raise UserError(f"the draft's head has {draft.vocab_size} rows, more than the target's "
-                        f"{target.vocab_size}; pick a draft from the target's family")
+    is smaller (`ModelDrafter.vocab_size`); a larger head is refused
+    (`loading.check_draft_head`)."""
+    check_draft_head(draft.vocab_size, target.vocab_size, name)
     return target.vocab_size if draft.vocab_size < target.vocab_size else None
 
 
