@@ -39,7 +39,7 @@ def test_a_rows_attention_is_bit_equal_alone_in_any_batch_and_as_single_steps(j,
     assert tile == attention_tile(k[:1]) and tile in (1, 4, 64) and ROWS > 2 * tile
     alone = {r: np.asarray(attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], vis[r:r + 1]), np.float32)[0]
              for r in WATCHED}
-    for size in (2, tile + 3, ROWS):
+    for size in (tile + 3, ROWS):  # two tiles, the last one padded; many tiles
         rest = [r for r in np.random.default_rng(size).permutation(ROWS) if r not in WATCHED]
         rows = np.random.default_rng(size + 1).permutation((list(WATCHED) + rest)[:size])
         got = np.asarray(attend(q[rows], k[rows], v[rows], vis[rows]), np.float32)
