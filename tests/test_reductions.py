@@ -1,6 +1,6 @@
 """`cache_attention` on its own, where tiles hold several rows: a row's output is bit for
 bit the same alone, at any place among other rows (other tile-mates, other tiles), and as
-one token of a block or a single step (`specsamp.models.reductions` states the contract;
+one token of a block or a single step (`specsamp.reductions` states the contract;
 tests/test_batch_invariance.py checks whole models of one tile)."""
 
 import jax
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specsamp.models.reductions import attention_tile, cache_attention
+from specsamp.reductions import attention_tile, cache_attention
 
 # (J, G, E, S, cache type): tiles of 64, 4 and 1 rows (by the entries a row's keys hold)
 SHAPES = [(2, 2, 8, 32, jnp.float32), (3, 3, 64, 64, jnp.bfloat16), (3, 3, 64, 256, jnp.float32)]
