@@ -100,14 +100,28 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
+# XLA attention runs rows in tiles of a fixed count: the largest power of two up to 64
+# whose keys ([J, S, E] a row) hold at most ATTENTION_TILE_ENTRIES entries, so a small
+# model's thousands of rows go through tens of loop steps, a large cache's one row a step.
+ATTENTION_TILE_ENTRIES = 1 << 16
+
+
+def attention_tile(k_cache: jax.Array) -> int:
+    """Rows per step of `cache_attention`: a function of the cache's row shape only."""
+    per_row = max(1, k_cache[0].size)
+    return 1 << max(0, min(6, (ATTENTION_TILE_ENTRIES // per_row).bit_length() - 1))
+
+
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     visible: jax.Array, cap: float | None = None) -> jax.Array:
-    """Grouped-query attention over a cache, one (row, token) at a time: q [B, T, J, G, E]
-    (already scaled), k_cache, v_cache [B, J, S, E], visible [B, T, S] -> [B, T, J, G, E].
-    Each query goes through products of one fixed shape ([J, G, E] x [J, S, E], then
-    [J, G, S] x [J, S, E]) and a `softmax` over the S slots, so a row's bits depend neither
-    on the batch nor on T (a K+1 block gives each position the numbers of a single step).
-    Scores are soft-capped at `cap` (if any) before the mask, as Gemma 2 does."""
+    """Grouped-query attention over a cache, one token of a tile of rows at a time: q [B,
+    T, J, G, E] (already scaled), k_cache, v_cache [B, J, S, E], visible [B, T, S] -> [B,
+    T, J, G, E]. Rows go in tiles of `attention_tile` rows (padded; the pad rows computed
+    and dropped), tokens one at a time; each step is products of one fixed shape ([R, J,
+    G, E] x [R, J, S, E], then [R, J, G, S] x [R, J, S, E]) and a `softmax` over the S
+    slots, so a row's bits depend neither on the batch nor on T (a K+1 block gives each
+    position the numbers of a single step). Scores are soft-capped at `cap` (if any)
+    before the mask, as Gemma 2 does."""
     neg = jnp.finfo(jnp.float32).min
     if not per_row():
         scores = softcap(jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32), cap)
@@ -116,15 +130,24 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         return jnp.einsum("bjgts,bjse->btjge", weights, v_cache)
     # The types jnp.einsum would promote to: a float16 cache is read as q's float32.
     dt = jnp.promote_types(q.dtype, k_cache.dtype)
+    b, tile = q.shape[0], attention_tile(k_cache)
 
-    def one(q_t, keys, vals, vis_t):
-        scores = jax.lax.dot_general(q_t.astype(dt), keys.astype(dt), (((2,), (2,)), ((0,), (0,))))
-        scores = jnp.where(vis_t[None, None], softcap(scores.astype(jnp.float32), cap), neg)
+    def tiles(a):  # [B, ...] -> [B / tile, tile, ...], zero rows padded
+        a = jnp.pad(a, [(0, -b % tile)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape((-1, tile) + a.shape[1:])
+
+    def one(q_t, keys, vals, vis_t):  # q_t [R, J, G, E], vis_t [R, S]
+        scores = jax.lax.dot_general(q_t.astype(dt), keys, (((3,), (3,)), ((0, 1), (0, 1))))
+        scores = jnp.where(vis_t[:, None, None], softcap(scores.astype(jnp.float32), cap), neg)
         weights = softmax(scores).astype(q.dtype).astype(dt)
-        return jax.lax.dot_general(weights, vals.astype(dt), (((2,), (1,)), ((0,), (0,))))
+        return jax.lax.dot_general(weights, vals, (((3,), (2,)), ((0, 1), (0, 1))))
 
-    def row(args):
-        q_b, keys, vals, vis_b = args
-        return jax.lax.map(lambda a: one(a[0], keys, vals, a[1]), (q_b, vis_b))
+    def rows(args):
+        q_r, keys, vals, vis_r = args  # q_r [R, T, J, G, E], vis_r [R, T, S]
+        keys, vals = keys.astype(dt), vals.astype(dt)
+        out = jax.lax.map(lambda a: one(a[0], keys, vals, a[1]),
+                          (jnp.swapaxes(q_r, 0, 1), jnp.swapaxes(vis_r, 0, 1)))
+        return jnp.swapaxes(out, 0, 1)
 
-    return jax.lax.map(row, (q, k_cache, v_cache, visible))
+    out = jax.lax.map(rows, tuple(map(tiles, (q, k_cache, v_cache, visible))))
+    return out.reshape((-1,) + out.shape[2:])[:b]
