@@ -1,0 +1,104 @@
+"""Token trees through the compiled loop (`Program.tree`, `decode.tree_round`) on the tiny
+models: greedy output equals greedy autoregressive decoding token for token; sampled
+output follows the target's joint distribution of the first three tokens (the chi-square
+of tests/test_exactness.py, its constants); a control that misstates how the children
+were chosen fails that check."""
+
+import numpy as np
+import pytest
+
+from specsamp.decoding import tree_draft
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.tree import Tree
+from specsamp.errors import UserError
+from tests import tiny
+from tests.test_exactness import ALPHA, PROMPT, chi_square_pvalue, exact_joint, make_engine, sample_counts
+
+PROMPTS = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+
+
+def tree_engine(sp, draft: str, tree: Tree, max_new: int = 3, native: bool | None = None):
+    """An engine on the tiny target drafting `tree` with `draft` (a draft string);
+    native=False: XLA's attention and argmax throughout (None: the program decides)."""
+    drafter, params = tiny.drafter(draft, tree.max_depth, sp)
+    if native is not None:
+        drafter = drafter.with_native(native)
+    prog = Program(tiny.TARGET, sp, drafter, "float32", native=native, tree=tree)
+    return Engine(prog, tiny.target_params(), params, eos_ids=(), max_new_tokens=max_new)
+
+
+GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binary tree
+    ("tiny-draft", Tree.chain(3), None),
+    ("tiny-draft", Tree.full((3, 1, 1)), None),
+    ("tiny-draft", Tree.full((2, 2)), None),
+    ("early-exit:1", Tree.full((3, 1, 1)), None),
+    ("early-exit:1", Tree.full((1, 3)), None),
+    ("tiny-draft", Tree.full((3, 1, 1)), False),
+]
+
+
+@pytest.mark.parametrize("draft,tree,native", GREEDY_CASES)
+def test_greedy_tree_equals_greedy_autoregressive(draft, tree, native):
+    """Catches a wrong accepted path, a cache not moved to slot = position after a branch
+    was kept (`keep_path`), a draft cache left stale, a wrong bonus token."""
+    sp = SamplingParams(0.0)
+    ar = make_engine(sp, "none", 1, max_new=24).run(PROMPTS, [0, 1, 2, 3])
+    got = tree_engine(sp, draft, tree, max_new=24, native=native).run(PROMPTS, [0, 1, 2, 3])
+    for a, s in zip(ar, got):
+        assert s.token_ids == a.token_ids
+        # drafted = the nodes scored; accepted = the depth kept, at most the tree's depth
+        assert set(s.drafted) == {tree.size}
+        assert all(0 <= n <= tree.max_depth for n in s.accepted)
+        assert 0 <= sum(s.accepted) + s.calls - 24 <= tree.max_depth
+    if tree.size > tree.max_depth:  # a branch other than the first was kept somewhere
+        assert sum(sum(s.accepted) for s in got) > 0
+
+
+SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
+    ("tiny-draft", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("early-exit:1", Tree.full((2, 2)), 0.7, 0, 0.9),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft,tree,temperature,top_k,top_p", SAMPLED_CASES)
+def test_tree_joint_distribution_of_three_tokens_matches_target(draft, tree, temperature, top_k, top_p):
+    sp = SamplingParams(temperature, top_k, top_p)
+    counts, acceptance = sample_counts(tree_engine(sp, draft, tree))
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+    assert 0.0 < acceptance < 1.0  # both branches of the rule were exercised
+
+
+_CHOOSE = tree_draft._choose
+
+
+def _top_w(logits, sampling, keys, width):
+    """The control's children: the draft's top-w tokens (deterministic), with the
+    sampled distribution, while the drafter still says DISTINCT draws."""
+    tokens, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
+    return tokens, _CHOOSE(logits, sampling, keys, width)[1]
+
+
+@pytest.mark.slow
+def test_the_tree_check_fails_children_misdescribed(monkeypatch):
+    """Top-w children (FIXED) tested as if they were DISTINCT draws are not exact: the
+    chi-square above must reject them (it has power against a wrong rule)."""
+    monkeypatch.setattr(tree_draft, "_choose", _top_w)
+    sp = SamplingParams(1.0)
+    counts, _ = sample_counts(tree_engine(sp, "tiny-draft", Tree.full((4,))))  # a shape only this test compiles
+    assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
+
+
+def test_trees_need_a_tree_drafter_and_level_order():
+    sp = SamplingParams(0.0)
+    for draft in ("ngram", "tiny-feature"):
+        drafter, _ = tiny.drafter(draft, 2, sp)
+        with pytest.raises(UserError, match="drafts trees"):
+            Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))
+    drafter, _ = tiny.drafter("tiny-draft", 2, sp)
+    with pytest.raises(UserError, match="level by level"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree((-1, 0, -1)))
+    assert Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1, 1))).k == 3
+    assert np.all(np.diff(Tree.full((3, 2)).depth) >= 0)
