@@ -102,3 +102,41 @@ def test_trees_need_a_tree_drafter_and_level_order():
         Program(tiny.TARGET, sp, drafter, tree=Tree((-1, 0, -1)))
     assert Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1, 1))).k == 3
     assert np.all(np.diff(Tree.full((3, 2)).depth) >= 0)
+
+
+CLI_CASES = [
+    (["generate", "--prompt", "hi", "--tree", "3x0"], "tree must be 'off' or widths per depth"),
+    (["generate", "--prompt", "hi", "--tree", "3x1", "--k", "auto"], "--tree and --k auto"),
+    (["generate", "--prompt", "hi", "--tree", "2x2", "--draft", "none"], "a token tree needs a drafter"),
+    (["generate", "--prompt", "hi", "--tree", "4x4x4x4"], "at most 64"),
+    (["bench", "--tree", "2x2,3xq"], "tree must be 'off' or widths per depth"),
+    (["bench", "--throughput", "--tree", "2x2"], "--tree is for the latency bench"),
+]
+
+
+@pytest.mark.parametrize("args,message", CLI_CASES)
+def test_bad_tree_arguments_are_one_line(args, message, tmp_path):
+    from tests.test_cli import test_bad_arguments_are_one_line
+
+    test_bad_arguments_are_one_line(args, message, tmp_path)
+
+
+def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
+    """`generate --tree` runs the tree round and reports it (drafted = nodes scored per
+    round, accepted = depth kept); a drafter that cannot draft trees is one error line."""
+    import json
+
+    from specsamp.testing import make_tiny_checkpoint
+    from tests.test_cli import _cli
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    args = ["generate", "--prompt", "the quick", "--target", target, "--max-new-tokens", "8"]
+    out = _cli(args + ["--draft", "early-exit:1", "--tree", "2x1", "--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["tree"] == "2x1" and obj["k"] == 2
+    assert set(obj["drafted_per_loop"]) == {4} and all(0 <= n <= 2 for n in obj["accepted_per_loop"])
+    assert obj["draft_calls"] == 2 * obj["target_calls"]
+    bad = _cli(args + ["--draft", "ngram", "--tree", "2x1"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "drafts trees" in bad.stderr
