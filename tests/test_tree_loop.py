@@ -36,6 +36,9 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     ("early-exit:1", Tree.full((3, 1, 1)), None),
     ("early-exit:1", Tree.full((1, 3)), None),
     ("tiny-draft", Tree.full((3, 1, 1)), False),
+    ("tiny-feature", Tree.full((3, 1, 1)), None),
+    ("tiny-feature-reduced", Tree.full((2, 2)), None),
+    ("tiny-feature", Tree.chain(2), False),
 ]
 
 
@@ -59,6 +62,8 @@ def test_greedy_tree_equals_greedy_autoregressive(draft, tree, native):
 SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
     ("tiny-draft", Tree.full((3, 1)), 1.0, 0, 1.0),
     ("early-exit:1", Tree.full((2, 2)), 0.7, 0, 0.9),
+    ("tiny-feature", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("tiny-feature-reduced", Tree.full((2, 2)), 0.7, 0, 0.9),
 ]
 
 
@@ -93,7 +98,7 @@ def test_the_tree_check_fails_children_misdescribed(monkeypatch):
 
 def test_trees_need_a_tree_drafter_and_level_order():
     sp = SamplingParams(0.0)
-    for draft in ("ngram", "tiny-feature"):
+    for draft in ("ngram", "ngram+tiny-feature-reduced"):
         drafter, _ = tiny.drafter(draft, 2, sp)
         with pytest.raises(UserError, match="drafts trees"):
             Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))

@@ -51,8 +51,8 @@ class Program:
             return
         if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
             kind = "no drafter" if self.drafter is None else f"drafter {self.drafter.kind!r}"
-            raise UserError(f"token trees need a drafter that drafts trees (a draft model or "
-                            f"early exit); {kind} does not")
+            raise UserError(f"token trees need a drafter that drafts trees (a draft model, "
+                            f"early exit or feature draft); {kind} does not")
         check_level_order(self.tree)
         if self.drafter.k != self.tree.max_depth:
             object.__setattr__(self, "drafter", self.drafter.with_k(self.tree.max_depth))

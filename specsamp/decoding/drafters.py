@@ -31,7 +31,7 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
 from specsamp.decoding.tree import Tree
-from specsamp.decoding.tree_draft import TreeProposal, draft_tree
+from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, TreeProposal, draft_tree
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.model import cache_attention, default_attention
 from specsamp.models.argmax import first_argmax
@@ -169,7 +169,8 @@ class ModelDrafter:
 
     def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
         """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
-        return draft_tree(self.forward, params, state, keys, tree, self.sampling)
+        return draft_tree(ModelSteps(self.forward, tree.max_depth), params, state, keys, tree,
+                          self.sampling)
 
 
 def _drawer(sampling: SamplingParams, keys: jax.Array, native: bool | None):
@@ -299,3 +300,7 @@ class FeatureDrafter:
             draw = _drawer(self.sampling, keys, self.native)
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
+        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
+        return draft_tree(FeatureSteps(self, tree), params, state, keys, tree, self.sampling)

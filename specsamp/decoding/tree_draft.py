@@ -6,10 +6,12 @@ The tree's shape is static (`tree.Tree`, nodes numbered level by level: every no
 depth d before any of depth d + 1, as `Tree.full` and `Tree.chain` number them). A round
 makes K draft calls:
   - depth 1: the window of K + 1 positions ending at the root (the row's current token),
-    a plain call. It (re)writes every position accepted since the last round, whose
-    entries the last round's tree block left at other slots, and gives the root's row;
+    a plain call (a feature draft's `refresh`). It (re)writes every position accepted
+    since the last round, whose entries the last round's tree block left at other slots,
+    and gives the root's row;
   - depth d > 1: the root and every node of depth < d, one call with the tree's attention
-    (`Model.forward(..., paths=)`), so each node reads the cache and its own path only.
+    (`Model.forward(..., paths=)`), so each node reads the cache and its own path only
+    (a feature draft: each node fed its parent's predicted feature, as a chain's step).
     The rows of the depth d - 1 nodes give their children.
 The children of a node are, under greedy, the draft's top-w tokens (`Children.FIXED`: a
 function of the context); under sampling, w draws without replacement from the node's
@@ -71,44 +73,94 @@ def _choose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, width:
     return jnp.where(drawn, tokens, -1), probs
 
 
-def draft_tree(forward, params, state: DecodeState, keys: jax.Array, tree: Tree,
+def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
                sampling: SamplingParams) -> TreeProposal:
-    """forward(params, tokens, positions, cache, paths=None) -> (logits [B, T, V], cache):
-    one draft call on the draft's own cache (state.draft). keys [B]: the rows' draft keys."""
+    """The drafter's calls through `steps`, a drafter's two kinds of call on its own loop
+    state (state.draft, `ds`):
+      first(params, state) -> (logits [B, V] after the root, carry, ds): the depth-1 call;
+      block(params, tokens [B, M], positions, ds, paths [M, P], carry, frontier) ->
+        (logits [B, F, V] at the block rows `frontier` (numpy), carry, ds).
+    keys [B]: the rows' draft keys of this round."""
     depth_of = np.concatenate([[0], tree.depth])  # per block row
-    k = tree.max_depth
     parents = np.asarray(tree.parents) + 1  # each node's parent block row
     rank = np.array([list(tree.children[parents[i]]).index(i) for i in range(tree.size)])
     width = tree.children.shape[1]
     t = state.current
-    b = t.shape[0]
     root = gather_window(state.tokens, t, 1)
-    tokens = jnp.full((b, tree.size), -1, jnp.int32)
+    tokens = jnp.full((t.shape[0], tree.size), -1, jnp.int32)
     p = None
-    cache = state.draft
-    for d in range(1, k + 1):
-        if d == 1:
-            start = jnp.maximum(t - k, 0)
-            window = gather_window(state.tokens, start, k + 1)
-            logits, cache = forward(params, window, start[:, None] + jnp.arange(k + 1)[None], cache)
-            rows = jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)  # [B, 1, V]
-        else:
+    logits, carry, ds = steps.first(params, state)
+    rows = logits[:, None]
+    for d in range(1, tree.max_depth + 1):
+        frontier = np.flatnonzero(depth_of == d - 1)  # block rows whose children are drawn now
+        if d > 1:
             m = int(np.sum(depth_of < d))
             block = jnp.concatenate([root, jnp.maximum(tokens[:, : m - 1], 0)], axis=1)
-            positions = block_positions(tree, t)[:, :m]
-            logits, cache = forward(params, block, positions, cache,
-                                    paths=block_paths(tree)[:m])
-            rows = logits[:, np.flatnonzero(depth_of[:m] == d - 1)]
+            rows, carry, ds = steps.block(params, block, block_positions(tree, t)[:, :m], ds,
+                                          block_paths(tree)[:m], carry, frontier)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, d)
         chosen, probs = _choose(rows, sampling, step_keys, width)  # [B, F, W]
-        frontier = np.flatnonzero(depth_of == d - 1)  # block rows of this call's frontier
         if probs is not None:  # leaves' rows stay 0 (never read)
-            p = jnp.zeros((b, tree.size + 1, probs.shape[2]), jnp.float32) if p is None else p
+            if p is None:
+                p = jnp.zeros((t.shape[0], tree.size + 1, probs.shape[2]), jnp.float32)
             p = p.at[:, frontier].set(probs)
         for i in np.flatnonzero(tree.depth == d):
-            f = int(np.flatnonzero(frontier == parents[i])[0])
-            x = chosen[:, f, rank[i]]
+            x = chosen[:, int(np.flatnonzero(frontier == parents[i])[0]), rank[i]]
             if parents[i] > 0:  # below an absent node: absent
                 x = jnp.where(tokens[:, parents[i] - 1] >= 0, x, -1)
             tokens = tokens.at[:, i].set(x)
-    return TreeProposal(tokens, p, cache, children_mode(sampling), k)
+    return TreeProposal(tokens, p, ds, children_mode(sampling), tree.max_depth)
+
+
+class ModelSteps(NamedTuple):
+    """`draft_tree`'s calls for a draft model (or early exit): forward(params, tokens,
+    positions, cache, paths=None) -> (logits [B, T, V], cache) on its KV cache."""
+
+    forward: Any
+    k: int
+
+    def first(self, params, state: DecodeState):
+        """The window of K + 1 positions ending at the root: it (re)writes every position
+        accepted since the last round, whose entries the last tree block left elsewhere."""
+        t, k = state.current, self.k
+        start = jnp.maximum(t - k, 0)
+        window = gather_window(state.tokens, start, k + 1)
+        logits, cache = self.forward(params, window, start[:, None] + jnp.arange(k + 1)[None], state.draft)
+        return jnp.take_along_axis(logits, (t - start)[:, None, None], axis=1)[:, 0], None, cache
+
+    def block(self, params, tokens, positions, cache, paths, carry, frontier):
+        logits, cache = self.forward(params, tokens, positions, cache, paths=paths)
+        return logits[:, frontier], carry, cache
+
+
+class FeatureSteps(NamedTuple):
+    """`draft_tree`'s calls for a feature draft (`drafters.FeatureDrafter`): the carry is
+    (the target's feature before the root [B, 1, D], the draft's predicted feature at
+    every block row so far [B, N+1, D])."""
+
+    drafter: Any
+    tree: Tree
+
+    def first(self, params, state: DecodeState):
+        from specsamp.decoding.drafters import _shifted_features
+
+        g, fs = self.drafter.refresh(params, state)  # [B, 1, D] at the root
+        b, _, d = g.shape
+        gs = jnp.zeros((b, self.tree.size + 1, d), g.dtype).at[:, 0].set(g[:, 0])
+        root_feature = _shifted_features(fs.features, state.current, 1)
+        return self._model.logits(params, g)[:, 0], (root_feature, gs), fs
+
+    def block(self, params, tokens, positions, fs, paths, carry, frontier):
+        root_feature, gs = carry
+        parents = np.asarray(self.tree.parents)[: tokens.shape[1] - 1] + 1
+        features = jnp.concatenate([root_feature, gs[:, parents]], axis=1)
+        g, cache = self._model.forward(params, tokens, features, positions, fs.cache,
+                                       self.drafter._attention(fs.cache), paths=paths)
+        gs = gs.at[:, frontier].set(g[:, frontier])
+        return self._model.logits(params, g[:, frontier]), (root_feature, gs), fs.replace(cache=cache)
+
+    @property
+    def _model(self):
+        from specsamp.models.feature_draft import FeatureModel
+
+        return FeatureModel(self.drafter.cfg)

@@ -52,5 +52,10 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
     kept = jnp.take_along_axis(proposal.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, K]
     kept = jnp.concatenate([kept, jnp.zeros_like(kept[:, :1])], axis=1)
     new = jnp.where(jnp.arange(k + 1)[None, :] < acc.n[:, None], kept, acc.token[:, None])
-    state = state.replace(target_cache=keep_path(cache, acc.path, t), draft=proposal.draft_state)
+    # The target's features along the accepted path (root, then its nodes; the root's row
+    # past them, stale positions a later round overwrites) for a drafter that reads them.
+    rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # [B, K+1]
+    draft_state = prog.drafter.observe(
+        proposal.draft_state, jnp.take_along_axis(hidden, rows[:, :, None], axis=1), t)
+    state = state.replace(target_cache=keep_path(cache, acc.path, t), draft=draft_state)
     return commit(state, new, acc.n + 1, acc.n, eos_ids, stop_ids, drafted=tree.size)
