@@ -3,7 +3,8 @@
 the baseline, or speculative ones), `gather_rows` (move rows into fewer slots) and
 `resync` (rebuild a drafter's cache after plain rounds).
 
-`Program` is static (hashable): model configs, K, the sampling transform, the drafter.
+`Program` is static (hashable): model configs, K, the sampling transform, the drafter, and
+a token tree's shape where rounds draft trees (`tree_round`; None: chains).
 Parameters and state are traced arguments, so one compiled program serves any weights of
 the same shapes.
 """

@@ -97,6 +97,11 @@ class Drafter(Protocol):
         """This drafter computing on the native kernels (True) or XLA (False): its
         program's choice (`decode.Program.with_backend`)."""
 
+    # Optional: a drafter that drafts token trees (`Program.tree`) also has
+    # propose_tree(params, state, keys, tree) -> tree_draft.TreeProposal: tokens [B, N]
+    # (-1 absent), p [B, N+1, V] as `tree_acceptance` reads them, and the `Children` mode
+    # that says truthfully how each node's children were chosen.
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
