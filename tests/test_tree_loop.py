@@ -39,6 +39,8 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     ("tiny-feature", Tree.full((3, 1, 1)), None),
     ("tiny-feature-reduced", Tree.full((2, 2)), None),
     ("tiny-feature", Tree.chain(2), False),
+    ("ngram", Tree.full((3, 1, 1)), None),
+    ("ngram:2", Tree.full((2, 1, 1, 1)), False),
 ]
 
 
@@ -64,6 +66,8 @@ SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
     ("early-exit:1", Tree.full((2, 2)), 0.7, 0, 0.9),
     ("tiny-feature", Tree.full((3, 1)), 1.0, 0, 1.0),
     ("tiny-feature-reduced", Tree.full((2, 2)), 0.7, 0, 0.9),
+    ("ngram", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("ngram", Tree.full((2, 1, 1)), 0.7, 0, 0.9),
 ]
 
 
@@ -98,10 +102,12 @@ def test_the_tree_check_fails_children_misdescribed(monkeypatch):
 
 def test_trees_need_a_tree_drafter_and_level_order():
     sp = SamplingParams(0.0)
-    for draft in ("ngram", "ngram+tiny-feature-reduced"):
-        drafter, _ = tiny.drafter(draft, 2, sp)
-        with pytest.raises(UserError, match="drafts trees"):
-            Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))
+    drafter, _ = tiny.drafter("ngram+tiny-feature-reduced", 2, sp)
+    with pytest.raises(UserError, match="drafts trees"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))
+    drafter, _ = tiny.drafter("ngram", 2, sp)
+    with pytest.raises(UserError, match="trees of branches"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 2)))
     drafter, _ = tiny.drafter("tiny-draft", 2, sp)
     with pytest.raises(UserError, match="level by level"):
         Program(tiny.TARGET, sp, drafter, tree=Tree((-1, 0, -1)))
@@ -128,7 +134,7 @@ def test_bad_tree_arguments_are_one_line(args, message, tmp_path):
 
 def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
     """`generate --tree` runs the tree round and reports it (drafted = nodes scored per
-    round, accepted = depth kept); a drafter that cannot draft trees is one error line."""
+    round, accepted = depth kept); a shape the drafter cannot draft is one error line."""
     import json
 
     from specsamp.testing import make_tiny_checkpoint
@@ -142,6 +148,6 @@ def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
     assert obj["tree"] == "2x1" and obj["k"] == 2
     assert set(obj["drafted_per_loop"]) == {4} and all(0 <= n <= 2 for n in obj["accepted_per_loop"])
     assert obj["draft_calls"] == 2 * obj["target_calls"]
-    bad = _cli(args + ["--draft", "ngram", "--tree", "2x1"], tmp_path)
+    bad = _cli(args + ["--draft", "ngram", "--tree", "2x2"], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-    assert "drafts trees" in bad.stderr
+    assert "trees of branches" in bad.stderr

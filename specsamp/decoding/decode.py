@@ -53,8 +53,9 @@ class Program:
         if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
             kind = "no drafter" if self.drafter is None else f"drafter {self.drafter.kind!r}"
             raise UserError(f"token trees need a drafter that drafts trees (a draft model, "
-                            f"early exit or feature draft); {kind} does not")
+                            f"early exit, feature draft or ngram); {kind} does not")
         check_level_order(self.tree)
+        getattr(self.drafter, "check_tree", lambda tree: None)(self.tree)
         if self.drafter.k != self.tree.max_depth:
             object.__setattr__(self, "drafter", self.drafter.with_k(self.tree.max_depth))
 

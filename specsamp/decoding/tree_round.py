@@ -45,7 +45,8 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
         acc = accept_tree_greedy_batch(proposal.tokens, first_argmax(logits, prog.native), tree=tree)
     else:
         q = probs_from_logits(logits, prog.sampling)
-        acc = accept_tree_batch(accept_keys, proposal.tokens, proposal.p, q, tree=tree,
+        p = jnp.zeros_like(q) if proposal.p is None else proposal.p  # None: FIXED, not read
+        acc = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
                                 children=proposal.children)
 
     k = tree.max_depth
