@@ -81,7 +81,7 @@ def humaneval_prompts(limit: int | None) -> list[str]:
 
 
 def run_bench(
-    make_generator: Callable,  # (draft, k, sampling) -> Generator
+    make_generator: Callable,  # (draft, k, sampling, tree='off') -> Generator
     prompts: Sequence[str],
     drafter: str,
     ks: Sequence[int],
@@ -89,16 +89,23 @@ def run_bench(
     repeats: int,
     seed: int = 0,
     log: Callable[[str], None] = lambda s: None,
+    trees: Sequence[str] = (),
 ) -> list[dict]:
+    """One row per sampling and setting: each K of `ks` (chains), then each token tree of
+    `trees` ('3x1x1', `config.parse_tree`; its K is its depth)."""
+    from specsamp.decoding.config import parse_tree
+
     rows = []
     seeds = [seed + i for i in range(len(prompts))]
     for sp in samplings:
         ar = make_generator("none", 1, sp)
         specs = {k: make_generator(drafter, k, sp) for k in ks}
+        specs.update({tree: make_generator(drafter, parse_tree(tree).max_depth, sp, tree=tree)
+                      for tree in trees})
         log(f"warming up (compiling) for temperature={sp.temperature} top_p={sp.top_p} ...")
         for g in [ar, *specs.values()]:
             g.generate(prompts[:1], seeds[:1])
-        runs = {key: [] for key in ["ar", *ks]}
+        runs = {key: [] for key in ["ar", *specs]}
         gens = [("ar", ar), *specs.items()]
         for r in range(repeats):
             timings = {key: Timing() for key, _ in gens}
@@ -108,30 +115,36 @@ def run_bench(
                     timings[key].add(g.generate([prompt], [s]))
             for key, t in timings.items():
                 runs[key].append(t)
-                log(f"repeat {r + 1}/{repeats} {'baseline' if key == 'ar' else f'K={key}'}: "
-                    f"{t.ms_per_token:.1f} ms/token")
+                name = "baseline" if key == "ar" else f"tree {key}" if isinstance(key, str) else f"K={key}"
+                log(f"repeat {r + 1}/{repeats} {name}: {t.ms_per_token:.1f} ms/token")
         ar_ms = statistics.median(t.ms_per_token for t in runs["ar"])
-        for k, g in specs.items():
-            rows.append(_row(k, sp, ar_ms, runs[k], g))
+        for key, g in specs.items():
+            rows.append(_row(g.engine.prog.k, sp, ar_ms, runs[key], g))
     return rows
 
 
 def _row(k, sp, ar_ms, timings, gen) -> dict:
+    """A tree's row: drafted counts its nodes scored, so accept is accepted depth / nodes
+    and alpha, tested = accepted + rounds that kept fewer than N, is not the chain's; its
+    scoring cost ratio is that of a plain call over N + 1 tokens."""
     from specsamp.decoding.costs import scoring_ratio
 
     spec_ms = statistics.median(t.ms_per_token for t in timings)
     t = timings[0]
     alpha = stats.alpha(t.accepted, t.tested)  # the cost model's (`specsamp.decoding.stats`)
     c = gen.cost_ratio
-    score_ratio = scoring_ratio(gen.engine.prog.target, gen.engine.target_params, k)
+    tree = gen.engine.prog.tree
+    score_ratio = scoring_ratio(gen.engine.prog.target, gen.engine.target_params,
+                                k if tree is None else tree.size)
     return {
-        "drafter": gen.draft_id, "k": k, "temperature": sp.temperature, "top_k": sp.top_k,
+        "drafter": gen.draft_id, "k": k, "tree": gen.spec.tree if tree is not None else "off",
+        "temperature": sp.temperature, "top_k": sp.top_k,
         "top_p": sp.top_p, "ar_ms_per_token": ar_ms, "spec_ms_per_token": spec_ms,
         "speedup": stats.speedup(ar_ms, spec_ms),
         "acceptance_rate": stats.acceptance_rate(t.accepted, t.drafted), "alpha": alpha,
         "tokens_per_call": stats.tokens_per_call(t.tokens, t.calls),
         "cost_ratio": c, "score_cost_ratio": score_ratio,
-        "predicted_speedup": stats.predicted_speedup(alpha, k, c),
+        "predicted_speedup": stats.predicted_speedup(alpha, k, c) if tree is None else math.nan,
         "predicted_speedup_scoring": measured_prediction(t, c, score_ratio),
         "tokens": t.tokens, "repeats": len(timings),
     }
@@ -189,17 +202,18 @@ def traffic_line(rows: list[dict]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'drafter':>21} {'K':>2} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
+    head = (f"{'drafter':>21} {'K':>2} {'tree':>7} {'T':>4} {'top_p':>5} {'AR ms/tok':>9} {'spec ms/tok':>11} "
             f"{'speed-up':>8} {'accept':>6} {'alpha':>5} {'tok/call':>8} {'c':>5} {'pred':>5} {'pred*':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['drafter'][-21:]:>21} {r['k']:>2} {r['temperature']:>4.1f} {r['top_p']:>5.2f} "
+            f"{r['drafter'][-21:]:>21} {r['k']:>2} {r.get('tree', 'off'):>7} {r['temperature']:>4.1f} {r['top_p']:>5.2f} "
             f"{r['ar_ms_per_token']:>9.1f} {r['spec_ms_per_token']:>11.1f} {r['speedup']:>7.2f}x "
             f"{r['acceptance_rate']:>6.2f} {r['alpha']:>5.2f} {r['tokens_per_call']:>8.2f} {r['cost_ratio']:>5.2f} "
             f"{r['predicted_speedup']:>5.2f} {r['predicted_speedup_scoring']:>5.2f}"
         )
-    lines.append("accept: accepted / drafted; alpha: accepted / tested (the cost model's alpha)")
+    lines.append("accept: accepted / drafted; alpha: accepted / tested (the cost model's alpha); "
+                 "a tree's drafted tokens are its nodes scored (pred: none)")
     lines.append("pred: cost model of docs/paper.md (scoring K+1 tokens = one step); "
                  "pred*: measured tokens/call over the measured cost per call (scoring, draft calls)")
     return "\n".join(lines)

@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--k", type=_list(k_value), default=None,
                    help="K values, e.g. 1,2,4,8 (default 2,4); with --throughput also 'auto' "
                         "(default 4,auto)")
+    p.add_argument("--tree", type=_list(str), default=[],
+                   help="token trees to bench beside the K chains, widths per depth, e.g. "
+                        "3x1x1,2x2 (a draft model or early-exit:L; not with --throughput)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
@@ -87,20 +90,25 @@ def run(args) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.throughput:
+        if args.tree:
+            raise UserError("--tree is for the latency bench (batch 1); leave it out with --throughput")
         return run_throughput_command(args)
     args.repeats = 3 if args.repeats is None else args.repeats
     args.k = args.k or [2, 4]
     args.limit = 8 if args.limit is None else args.limit
     if "auto" in args.k:
         raise UserError("--k auto needs --throughput (the latency bench runs fixed K at batch 1)")
+    from specsamp.decoding.config import parse_tree
+
+    args.tree = [t for t in args.tree if parse_tree(t) is not None]  # 'off': the chains
     prompts, chat = _prompts(args)
     samplings = [SamplingParams(t, args.top_k, p) for t in args.temperature for p in args.top_p
                  if not (t == 0 and p != args.top_p[0])]  # greedy ignores top-p: run it once
     loaded = {}
 
     def maker(weights, kv_cache):
-        def make(draft, k, sp):
-            spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat,
+        def make(draft, k, sp, tree="off"):
+            spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat, tree=tree,
                                  max_new_tokens=args.max_new_tokens, weights=weights,
                                  tensor_parallel=args.tensor_parallel, kv_cache=kv_cache,
                                  dtype=args.dtype)
@@ -111,7 +119,7 @@ def run(args) -> int:
             return gen
         return make
 
-    status(f"{len(prompts)} prompts, K={args.k}, drafter {args.draft}, {args.repeats} repeats, "
+    status(f"{len(prompts)} prompts, K={args.k}, trees {args.tree or 'none'}, drafter {args.draft}, {args.repeats} repeats, "
            f"weights {','.join(args.weights)}, KV cache {','.join(args.kv_cache)}, "
            f"tensor parallel {args.tensor_parallel}")
     stream = streaming_bandwidth()
@@ -119,7 +127,7 @@ def run(args) -> int:
     for weights, kv_cache in itertools.product(args.weights, args.kv_cache):
         make = maker(weights, kv_cache)
         rows = run_bench(make, prompts, args.draft, args.k, samplings, args.repeats, args.seed,
-                         log=status)
+                         log=status, trees=args.tree)
         gen = make("none", 1, samplings[0])  # already loaded: the baseline of this group
         add_traffic(rows, weights, _step_bytes(gen), stream)
         groups.append([{**r, "kv_cache": gen.engine.prog.kv_cache} for r in rows])  # 'auto' resolved

@@ -21,6 +21,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=k_value, default=4,
                    help="draft tokens per loop (default 4), or 'auto': chosen per chunk of rounds "
                         "from measured costs and running acceptance")
+    g.add_argument("--tree", default="off",
+                   help="'off' (chains of K, default) or a token tree per round, its widths per "
+                        "depth, e.g. 3x1x1: the draft's top 3 (greedy; 3 draws without "
+                        "replacement when sampling) each continued 2 deep; K is its depth. "
+                        "Needs a draft model or early-exit:L")
     add_weights_arg(g)
     add_dtype_arg(g)
     add_kv_cache_arg(g)
@@ -136,6 +141,7 @@ def spec_from(args, draft: str | None = None, k: int | None = None, sampling=Non
         weights=args.weights,
         kv_cache=args.kv_cache,
         dtype=args.dtype,
+        tree=getattr(args, "tree", "off"),
         **extra,
     )
 

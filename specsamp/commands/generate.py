@@ -39,6 +39,7 @@ def rounds_at_k(s: dict) -> dict[int, int]:
 
 
 def run(args) -> int:
+    import collections
     import time
 
     from specsamp.decoding.generator import load_generator
@@ -62,6 +63,10 @@ def run(args) -> int:
     status(
         f"\n--- {s['generated_tokens']} tokens, stop: {s['stop_reason']}, mode: {s['mode']}"
         + (f", drafter {gen.draft_id}, K={k_label(s['k'])}" if c.k else "")
+        + (f", tree {s['tree']} ({s['drafted_per_loop'][0] if s['drafted_per_loop'] else 0} nodes "
+           "scored a round; rounds by accepted depth: "
+           + ", ".join(f"{d}: {n}" for d, n in sorted(collections.Counter(s["accepted_per_loop"]).items()))
+           + ")" if s["tree"] != "off" else "")
         + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in rounds_at_k(s).items()) + ")"
            if s["k"] == TABLE_K_AUTO else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "

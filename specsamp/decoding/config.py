@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from specsamp.decoding.drafts import resolve
+from specsamp.decoding.tree import Tree
 from specsamp.errors import UserError
 
 
@@ -121,6 +122,31 @@ def check_max_new_tokens(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise UserError(f"max-new-tokens must be an integer >= 1, got {n!r}")
     return n
+
+
+# A token tree per round (`--tree`): 'off' (chains of K, the paper's form) or the widths
+# per depth, 'W1xW2x...' (`tree.Tree.full`): 3x1x1 is three children of the root, each the
+# start of a chain of two more. Its depth is the round's K.
+MAX_TREE_NODES = 64
+
+
+def parse_tree(value) -> Tree | None:
+    """A user's tree ('off' or 'W1xW2x...', each width >= 1, at most MAX_TREE_NODES nodes
+    and 32 deep) as a Tree, or None for chains."""
+    if value is None or isinstance(value, Tree):
+        return value
+    if value == "off":
+        return None
+    parts = value.split("x") if isinstance(value, str) else []
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise UserError(f"tree must be 'off' or widths per depth like 3x1x1 (each >= 1), got {value!r}")
+    widths = tuple(int(p) for p in parts)
+    if len(widths) > 32:
+        raise UserError(f"a tree may be at most 32 deep, got {len(widths)}")
+    size = sum(math.prod(widths[: d + 1]) for d in range(len(widths)))
+    if size > MAX_TREE_NODES:
+        raise UserError(f"tree {value} has {size} nodes; at most {MAX_TREE_NODES}")
+    return Tree.full(widths)
 
 
 DRAFT_FORMS = "'auto', 'none', 'ngram[:N]', 'early-exit:L', a path, a shipped draft name, or 'ngram+<draft>'"

@@ -3,7 +3,8 @@
 the baseline, or speculative ones), `gather_rows` (move rows into fewer slots) and
 `resync` (rebuild a drafter's cache after plain rounds).
 
-`Program` is static (hashable): model configs, K, the sampling transform, the drafter.
+`Program` is static (hashable): model configs, K, the sampling transform, the drafter, and
+a token tree's shape where rounds draft trees (`tree_round`; None: chains).
 Parameters and state are traced arguments, so one compiled program serves any weights of
 the same shapes.
 """
@@ -18,6 +19,10 @@ import jax.numpy as jnp
 from specsamp.decoding.acceptance import accept_batch, accept_greedy
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.drafters import Drafter
+from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree_draft import check_level_order
+from specsamp.decoding.tree_round import tree_round
+from specsamp.errors import UserError
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
     MAX_TOKENS, RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
@@ -38,6 +43,21 @@ class Program:
     # this program: decided once (`with_backend`, when an `Engine` is built) and carried
     # as part of the static program; None: decided wherever a model is traced.
     native: bool | None = None
+    # A token tree's static shape (`tree.Tree`): every drafted round drafts and scores that
+    # tree (`tree_round`), its drafter drafting K = the tree's depth. None: chains of K.
+    tree: Tree | None = None
+
+    def __post_init__(self):
+        if self.tree is None:
+            return
+        if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
+            kind = "no drafter" if self.drafter is None else f"drafter {self.drafter.kind!r}"
+            raise UserError(f"token trees need a drafter that drafts trees (a draft model, "
+                            f"early exit, feature draft or ngram); {kind} does not")
+        check_level_order(self.tree)
+        getattr(self.drafter, "check_tree", lambda tree: None)(self.tree)
+        if self.drafter.k != self.tree.max_depth:
+            object.__setattr__(self, "drafter", self.drafter.with_k(self.tree.max_depth))
 
     def with_backend(self) -> "Program":
         """This program with its backend decided: the native kernels on one CPU device
@@ -63,9 +83,10 @@ class Program:
 
     @property
     def span(self) -> int:
-        """The most draft tokens a round may score: K, or more in a hybrid's wide rounds."""
+        """The most draft tokens a round may score: K, or more in a hybrid's wide rounds or
+        a tree's (its N nodes)."""
         wide = getattr(self.drafter, "wide", None)
-        return max(self.k, wide.k if wide is not None else 0)
+        return max(self.k, wide.k if wide is not None else 0, self.tree.size if self.tree else 0)
 
 
 def new_state(
@@ -284,6 +305,8 @@ def _round(prog: Program, k: int, target_params, draft_params, state, eos_ids, s
         # Plain rounds with a drafter leave its cache behind (`resync` catches up) but let
         # it observe the target's hidden states (features), which only the target computes.
         return _ar_round(prog, target_params, state, eos_ids, stop_ids)
+    if prog.tree is not None:
+        return tree_round(prog, target_params, draft_params, state, eos_ids, stop_ids)
     return _spec_round(prog.at_k(k), target_params, draft_params, state, eos_ids, stop_ids)
 
 

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
+from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, TreeProposal, draft_tree
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.model import cache_attention, default_attention
 from specsamp.models.argmax import first_argmax
@@ -95,6 +97,11 @@ class Drafter(Protocol):
         """This drafter computing on the native kernels (True) or XLA (False): its
         program's choice (`decode.Program.with_backend`)."""
 
+    # Optional: a drafter that drafts token trees (`Program.tree`) also has
+    # propose_tree(params, state, keys, tree) -> tree_draft.TreeProposal: tokens [B, N]
+    # (-1 absent), p [B, N+1, V] as `tree_acceptance` reads them, and the `Children` mode
+    # that says truthfully how each node's children were chosen.
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
@@ -126,9 +133,10 @@ class ModelDrafter:
         _, cache = self._model().forward(params, tokens, positions, cache, head=False)
         return cache
 
-    def forward(self, params, tokens, positions, cache):
-        """One draft call: (logits [B, T, V], cache) (also what the cost ratio times)."""
-        logits, cache = self._model().forward(params, tokens, positions, cache)
+    def forward(self, params, tokens, positions, cache, paths=None):
+        """One draft call: (logits [B, T, V], cache) (also what the cost ratio times);
+        paths: a tree block's (`Model.forward`)."""
+        logits, cache = self._model().forward(params, tokens, positions, cache, paths=paths)
         missing = (self.vocab_size or self.cfg.vocab_size) - self.cfg.vocab_size
         if missing > 0:
             logits = jnp.pad(logits, ((0, 0), (0, 0), (0, missing)),
@@ -163,6 +171,11 @@ class ModelDrafter:
     @property
     def calls_per_round(self) -> int:
         return self.k
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
+        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
+        return draft_tree(ModelSteps(self.forward, tree.max_depth), params, state, keys, tree,
+                          self.sampling)
 
 
 def _drawer(sampling: SamplingParams, keys: jax.Array, native: bool | None):
@@ -292,3 +305,7 @@ class FeatureDrafter:
             draw = _drawer(self.sampling, keys, self.native)
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
+        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
+        return draft_tree(FeatureSteps(self, tree), params, state, keys, tree, self.sampling)

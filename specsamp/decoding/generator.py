@@ -16,7 +16,7 @@ import jax
 
 from specsamp.decoding.config import (
     KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k, parse_draft, parse_k,
-    resolve_kv_cache, seed_for,
+    parse_tree, resolve_kv_cache, seed_for,
 )
 from specsamp.decoding.costs import measure_cost_ratio
 from specsamp.decoding.decode import Program
@@ -24,6 +24,7 @@ from specsamp.decoding.engine import Continuous, Engine, Static
 from specsamp.decoding.factory import build_drafter, file_loader, resolve_auto
 from specsamp.decoding.kpolicy import auto_policy
 from specsamp.decoding.results import Completion
+from specsamp.decoding.tree import Tree
 from specsamp.errors import UserError
 from specsamp.mesh import check_tensor_parallel, make_mesh
 from specsamp.models import Model
@@ -65,9 +66,20 @@ class GeneratorSpec:
     tensor_parallel: int = 1
     kv_cache: str = "auto"
     dtype: str = "auto"
+    # 'off' (chains of k) or a token tree's widths per depth, 'W1xW2x...' (`config.parse_tree`):
+    # every drafted round drafts and scores that tree, K = its depth (k is then not read).
+    tree: str = "off"
     draft_k: KChoice = dataclasses.field(init=False, repr=False, compare=False)  # k, parsed
+    draft_tree: Tree | None = dataclasses.field(init=False, repr=False, compare=False)  # tree, parsed
 
     def __post_init__(self):
+        object.__setattr__(self, "draft_tree", parse_tree(self.tree))
+        if self.draft_tree is not None:
+            if self.draft == "none":
+                raise UserError("a token tree needs a drafter: give --draft (a draft model or early-exit:L)")
+            if self.k == "auto":
+                raise UserError("--tree and --k auto do not combine yet: give a tree or k auto")
+            object.__setattr__(self, "k", self.draft_tree.max_depth)
         object.__setattr__(self, "draft_k", parse_k(self.k))
         if self.batching not in ("static", "continuous"):
             raise UserError(f"batching must be 'static' or 'continuous', got {self.batching!r}")
@@ -131,7 +143,8 @@ class Generator:
         self.drafter, draft_params = build_drafter(self.draft, k.largest, spec.sampling, cfg,
                                                    self.target.params, load, self.mesh, wide=k.wide)
         self.engine = Engine(
-            Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype)),
+            Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype),
+                    tree=spec.draft_tree if self.drafter is not None else None),
             self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens, mesh=self.mesh,
             k=k if self.drafter is not None else fixed_k(0),
@@ -228,7 +241,7 @@ class Generator:
             stop_reason=reason, mode=self.mode, target_calls=raw.calls,
             draft_calls=raw.draft_calls, accepted_per_loop=raw.accepted,
             drafted_per_loop=raw.drafted, prefill_s=raw.prefill_s, decode_s=raw.decode_s, k=k,
-            compile_s=raw.compile_s,
+            compile_s=raw.compile_s, tree=self.spec.tree if self.drafter is not None else "off",
         )
 
     def _stop_token_count(self, ids: list[int]) -> int:

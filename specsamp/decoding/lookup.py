@@ -1,7 +1,8 @@
 """Prompt-lookup drafters (the `Drafter` protocol of `specsamp.decoding.drafters`).
 
 - `NgramDrafter`: prompt lookup; finds the latest earlier occurrence of the last n tokens and
-  proposes what followed. Deterministic, so p is a point mass (one-hot).
+  proposes what followed. Deterministic, so p is a point mass (one-hot). It drafts token
+  trees of branches too (`propose_tree`): the W best matches, one a branch.
 - `HybridDrafter`: prompt lookup where it finds a match (of 2 tokens or more, as the
   factory builds it), a model drafter (e.g. the trained feature draft) for the other rows;
   the model's chain is skipped in rounds where every running row has a match. With `k
@@ -14,9 +15,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specsamp.decoding.drafters import FeatureDrafter, FeatureState, Proposal
 from specsamp.decoding.state import RUNNING, DecodeState, cond_in_place
+from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree_acceptance import Children
+from specsamp.decoding.tree_draft import TreeProposal
+from specsamp.errors import UserError
 from specsamp.models import ModelConfig
 
 
@@ -56,6 +62,42 @@ class NgramDrafter:
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
         return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
                         state.draft, found)
+
+    def check_tree(self, tree: Tree) -> None:
+        """Lookup drafts trees of branches: each child of the root starts a chain (widths
+        W x 1 x 1 ...), one match a branch."""
+        if np.any((tree.children[1:] >= 0).sum(axis=1) > 1):
+            raise UserError(f"n-gram lookup drafts trees of branches, widths like 3x1x1 "
+                            f"(a match each), not parents {list(tree.parents)}")
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
+        """W branches = the W best matches (longest n-gram, then latest occurrence), each
+        followed as far as the tree is deep: chosen without drawing (`Children.FIXED`);
+        a branch without a match is absent. No draft calls."""
+        del params, keys
+        self.check_tree(tree)
+        width = int((np.asarray(tree.parents) < 0).sum())
+        branches, found = jax.vmap(lambda r, t: self._matches(r, t, width, tree.max_depth))(
+            state.tokens, state.current)  # [B, W, K], [B, W]
+        branch = np.array([int(np.flatnonzero(tree.ancestors[i])[0]) for i in range(tree.size)])
+        tokens = branches[:, branch, tree.depth - 1]
+        return TreeProposal(jnp.where(found[:, branch], tokens, -1), None, state.draft,
+                            Children.FIXED, 0)
+
+    def _matches(self, row: jax.Array, t: jax.Array, width: int, depth: int):
+        """row [S], current index t -> (the tokens after the `width` best match ends
+        [W, depth], whether each was found [W]). Best: the longest n-gram, then the latest."""
+        slots = row.shape[0]
+        idx = jnp.arange(slots)
+        score = jnp.full((slots,), -1)
+        for n in range(self.min_ngram, self.max_ngram + 1):  # a longer match scores higher
+            match = (idx >= n - 1) & (idx < t) & (t >= n - 1)
+            for j in range(n):
+                match &= jnp.roll(row, j)[idx] == row[jnp.maximum(t - j, 0)]
+            score = jnp.where(match, n * slots + idx, score)
+        best, ends = jax.lax.top_k(score, width)
+        follow = jnp.minimum(ends[:, None] + 1 + jnp.arange(depth)[None], t)  # known tokens only
+        return row[follow], best >= 0
 
     def _lookup(self, row: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         """row [S], current index t -> (K proposed tokens, whether a match was found).

@@ -35,6 +35,9 @@ class Completion:
     k: int = 0
     compile_s: float = 0.0  # compiling the batch's programs (first row of a batch; else 0)
     drafted_per_loop: tuple[int, ...] = ()  # each loop's K (draft tokens scored); (): k each
+    # 'off', or the token tree's widths ('3x1x1'): a tree round's drafted entry is then its
+    # nodes scored (N) and its accepted entry the depth it kept (`decoding.tree_round`)
+    tree: str = "off"
 
     @property
     def generated_tokens(self) -> int:
@@ -68,6 +71,7 @@ class Completion:
         return {
             "mode": self.mode,
             "k": self.k,
+            "tree": self.tree,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "stop_reason": self.stop_reason,

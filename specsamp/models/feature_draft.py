@@ -43,9 +43,9 @@ class FeatureDraft(nn.Module):
         setup_decoder(self)
         self.fc = Linear(self.cfg.d_model, use_bias=False, name="fc")
 
-    def __call__(self, tokens, features, positions, cache: KVCache):
+    def __call__(self, tokens, features, positions, cache: KVCache, paths=None):
         x = self.fc(jnp.concatenate([self.embed(tokens), features.astype(jnp.float32)], axis=-1))
-        x, cache = run_layers(self, x, cache, positions, self.attention)
+        x, cache = run_layers(self, x, cache, positions, self.attention, paths)
         return self.final_norm(x), cache
 
     def logits(self, g):
@@ -62,15 +62,17 @@ class FeatureModel:
 
     cfg: ModelConfig
 
-    def forward(self, params, tokens, features, positions, cache: KVCache, attention=None):
+    def forward(self, params, tokens, features, positions, cache: KVCache, attention=None,
+                paths=None):
         """(g [B, T, D], cache): the draft's guesses of the target's hidden states. Attention
-        as the target's (`Model.attention`): the native kernel where it applies."""
+        as the target's (`Model.attention`): the native kernel where it applies. paths: a
+        token tree's block (`Model.forward`)."""
         from specsamp.models.model import cache_attention, default_attention
 
         if attention is None:
             attention = cache_attention(default_attention(self.cfg, None), cache)
         return FeatureDraft(self.cfg, attention).apply(
-            {"params": module_params(params)}, tokens, features, positions, cache)
+            {"params": module_params(params)}, tokens, features, positions, cache, paths=paths)
 
     def full_forward(self, params, tokens, features):
         """g [B, T, D] over tokens [B, T] at positions 0..T-1 with a fresh cache (XLA's

@@ -1,0 +1,62 @@
+"""A token tree's round in the compiled loop (`decode.generate` with `Program.tree` set).
+
+The drafter proposes a tree of the program's static shape per row (`propose_tree`,
+`tree_draft`); the target scores the root (the current token) and the N nodes in one
+call with the tree's attention (`Model.forward(..., paths=)`); acceptance walks the tree
+(`tree_acceptance`: greedy, or sampling for how the drafter says the children were
+chosen); the accepted path's keys and values move to slot = position (`keep_path`); the
+path's tokens and the token after it are committed as a chain round's would be.
+
+Statistics: a tree round records drafted = N (the nodes scored, the target's extra rows)
+and accepted = the accepted depth (draft tokens kept and appended), so accepted / drafted
+is the share of scored nodes kept; tokens per target call stay the chain's meaning.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specsamp.decoding.sampling import probs_from_logits
+from specsamp.decoding.state import DecodeState, commit, gather_window, log_draft_calls, round_keys
+from specsamp.decoding.tree import block_paths, block_positions
+from specsamp.decoding.tree_acceptance import accept_tree_batch, accept_tree_greedy_batch
+from specsamp.models.argmax import first_argmax
+from specsamp.models.tree_cache import keep_path
+
+
+def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, stop_ids):
+    """One round over prog.tree: draft, score in one target call, accept, commit."""
+    tree = prog.tree
+    keys = round_keys(state)  # split as the chain's round: 0 drafts, 1 accepts
+    draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
+    accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
+    proposal = prog.drafter.propose_tree(draft_params, state, draft_keys, tree)
+    state = log_draft_calls(state, jnp.full(state.calls.shape, proposal.calls, jnp.int32))
+
+    t = state.current
+    block = jnp.concatenate([gather_window(state.tokens, t, 1), jnp.maximum(proposal.tokens, 0)],
+                            axis=1)  # [B, N+1]: an absent node scores token 0, never tested
+    target = prog.model
+    hidden, cache = target.forward(target_params, block, block_positions(tree, t),
+                                   state.target_cache, head=False, paths=block_paths(tree))
+    logits = target.logits(target_params, hidden)
+    if prog.sampling.greedy:
+        acc = accept_tree_greedy_batch(proposal.tokens, first_argmax(logits, prog.native), tree=tree)
+    else:
+        q = probs_from_logits(logits, prog.sampling)
+        p = jnp.zeros_like(q) if proposal.p is None else proposal.p  # None: FIXED, not read
+        acc = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
+                                children=proposal.children)
+
+    k = tree.max_depth
+    kept = jnp.take_along_axis(proposal.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, K]
+    kept = jnp.concatenate([kept, jnp.zeros_like(kept[:, :1])], axis=1)
+    new = jnp.where(jnp.arange(k + 1)[None, :] < acc.n[:, None], kept, acc.token[:, None])
+    # The target's features along the accepted path (root, then its nodes; the root's row
+    # past them, stale positions a later round overwrites) for a drafter that reads them.
+    rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # [B, K+1]
+    draft_state = prog.drafter.observe(
+        proposal.draft_state, jnp.take_along_axis(hidden, rows[:, :, None], axis=1), t)
+    state = state.replace(target_cache=keep_path(cache, acc.path, t), draft=draft_state)
+    return commit(state, new, acc.n + 1, acc.n, eos_ids, stop_ids, drafted=tree.size)

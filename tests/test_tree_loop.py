@@ -1,0 +1,153 @@
+"""Token trees through the compiled loop (`Program.tree`, `decode.tree_round`) on the tiny
+models: greedy output equals greedy autoregressive decoding token for token; sampled
+output follows the target's joint distribution of the first three tokens (the chi-square
+of tests/test_exactness.py, its constants); a control that misstates how the children
+were chosen fails that check."""
+
+import numpy as np
+import pytest
+
+from specsamp.decoding import tree_draft
+from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.decode import Program
+from specsamp.decoding.engine import Engine
+from specsamp.decoding.tree import Tree
+from specsamp.errors import UserError
+from tests import tiny
+from tests.test_exactness import ALPHA, PROMPT, chi_square_pvalue, exact_joint, make_engine, sample_counts
+
+PROMPTS = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+
+
+def tree_engine(sp, draft: str, tree: Tree, max_new: int = 3, native: bool | None = None):
+    """An engine on the tiny target drafting `tree` with `draft` (a draft string);
+    native=False: XLA's attention and argmax throughout (None: the program decides)."""
+    drafter, params = tiny.drafter(draft, tree.max_depth, sp)
+    if native is not None:
+        drafter = drafter.with_native(native)
+    prog = Program(tiny.TARGET, sp, drafter, "float32", native=native, tree=tree)
+    return Engine(prog, tiny.target_params(), params, eos_ids=(), max_new_tokens=max_new)
+
+
+GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binary tree
+    ("tiny-draft", Tree.chain(3), None),
+    ("tiny-draft", Tree.full((3, 1, 1)), None),
+    ("tiny-draft", Tree.full((2, 2)), None),
+    ("early-exit:1", Tree.full((3, 1, 1)), None),
+    ("early-exit:1", Tree.full((1, 3)), None),
+    ("tiny-draft", Tree.full((3, 1, 1)), False),
+    ("tiny-feature", Tree.full((3, 1, 1)), None),
+    ("tiny-feature-reduced", Tree.full((2, 2)), None),
+    ("tiny-feature", Tree.chain(2), False),
+    ("ngram", Tree.full((3, 1, 1)), None),
+    ("ngram:2", Tree.full((2, 1, 1, 1)), False),
+]
+
+
+@pytest.mark.parametrize("draft,tree,native", GREEDY_CASES)
+def test_greedy_tree_equals_greedy_autoregressive(draft, tree, native):
+    """Catches a wrong accepted path, a cache not moved to slot = position after a branch
+    was kept (`keep_path`), a draft cache left stale, a wrong bonus token."""
+    sp = SamplingParams(0.0)
+    ar = make_engine(sp, "none", 1, max_new=24).run(PROMPTS, [0, 1, 2, 3])
+    got = tree_engine(sp, draft, tree, max_new=24, native=native).run(PROMPTS, [0, 1, 2, 3])
+    for a, s in zip(ar, got):
+        assert s.token_ids == a.token_ids
+        # drafted = the nodes scored; accepted = the depth kept, at most the tree's depth
+        assert set(s.drafted) == {tree.size}
+        assert all(0 <= n <= tree.max_depth for n in s.accepted)
+        assert 0 <= sum(s.accepted) + s.calls - 24 <= tree.max_depth
+    if tree.size > tree.max_depth:  # a branch other than the first was kept somewhere
+        assert sum(sum(s.accepted) for s in got) > 0
+
+
+SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
+    ("tiny-draft", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("early-exit:1", Tree.full((2, 2)), 0.7, 0, 0.9),
+    ("tiny-feature", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("tiny-feature-reduced", Tree.full((2, 2)), 0.7, 0, 0.9),
+    ("ngram", Tree.full((3, 1)), 1.0, 0, 1.0),
+    ("ngram", Tree.full((2, 1, 1)), 0.7, 0, 0.9),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft,tree,temperature,top_k,top_p", SAMPLED_CASES)
+def test_tree_joint_distribution_of_three_tokens_matches_target(draft, tree, temperature, top_k, top_p):
+    sp = SamplingParams(temperature, top_k, top_p)
+    counts, acceptance = sample_counts(tree_engine(sp, draft, tree))
+    assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
+    assert 0.0 < acceptance < 1.0  # both branches of the rule were exercised
+
+
+_CHOOSE = tree_draft._choose
+
+
+def _top_w(logits, sampling, keys, width):
+    """The control's children: the draft's top-w tokens (deterministic), with the
+    sampled distribution, while the drafter still says DISTINCT draws."""
+    tokens, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
+    return tokens, _CHOOSE(logits, sampling, keys, width)[1]
+
+
+@pytest.mark.slow
+def test_the_tree_check_fails_children_misdescribed(monkeypatch):
+    """Top-w children (FIXED) tested as if they were DISTINCT draws are not exact: the
+    chi-square above must reject them (it has power against a wrong rule)."""
+    monkeypatch.setattr(tree_draft, "_choose", _top_w)
+    sp = SamplingParams(1.0)
+    counts, _ = sample_counts(tree_engine(sp, "tiny-draft", Tree.full((4,))))  # a shape only this test compiles
+    assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
+
+
+def test_trees_need_a_tree_drafter_and_level_order():
+    sp = SamplingParams(0.0)
+    drafter, _ = tiny.drafter("ngram+tiny-feature-reduced", 2, sp)
+    with pytest.raises(UserError, match="drafts trees"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))
+    drafter, _ = tiny.drafter("ngram", 2, sp)
+    with pytest.raises(UserError, match="trees of branches"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 2)))
+    drafter, _ = tiny.drafter("tiny-draft", 2, sp)
+    with pytest.raises(UserError, match="level by level"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree((-1, 0, -1)))
+    assert Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1, 1))).k == 3
+    assert np.all(np.diff(Tree.full((3, 2)).depth) >= 0)
+
+
+CLI_CASES = [
+    (["generate", "--prompt", "hi", "--tree", "3x0"], "tree must be 'off' or widths per depth"),
+    (["generate", "--prompt", "hi", "--tree", "3x1", "--k", "auto"], "--tree and --k auto"),
+    (["generate", "--prompt", "hi", "--tree", "2x2", "--draft", "none"], "a token tree needs a drafter"),
+    (["generate", "--prompt", "hi", "--tree", "4x4x4x4"], "at most 64"),
+    (["bench", "--tree", "2x2,3xq"], "tree must be 'off' or widths per depth"),
+    (["bench", "--throughput", "--tree", "2x2"], "--tree is for the latency bench"),
+]
+
+
+@pytest.mark.parametrize("args,message", CLI_CASES)
+def test_bad_tree_arguments_are_one_line(args, message, tmp_path):
+    from tests.test_cli import test_bad_arguments_are_one_line
+
+    test_bad_arguments_are_one_line(args, message, tmp_path)
+
+
+def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
+    """`generate --tree` runs the tree round and reports it (drafted = nodes scored per
+    round, accepted = depth kept); a shape the drafter cannot draft is one error line."""
+    import json
+
+    from specsamp.testing import make_tiny_checkpoint
+    from tests.test_cli import _cli
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    args = ["generate", "--prompt", "the quick", "--target", target, "--max-new-tokens", "8"]
+    out = _cli(args + ["--draft", "early-exit:1", "--tree", "2x1", "--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["tree"] == "2x1" and obj["k"] == 2
+    assert set(obj["drafted_per_loop"]) == {4} and all(0 <= n <= 2 for n in obj["accepted_per_loop"])
+    assert obj["draft_calls"] == 2 * obj["target_calls"]
+    bad = _cli(args + ["--draft", "ngram", "--tree", "2x2"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "trees of branches" in bad.stderr
