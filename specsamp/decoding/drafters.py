@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits, sample
-from specsamp.decoding.state import DecodeState, gather_window, prefix_positions, write_window
+from specsamp.decoding.state import (DecodeState, gather_window, prefix_positions, shifted_features,
+                                     write_window)
 from specsamp.decoding.tree import Tree
 from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, TreeProposal, draft_tree
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
@@ -208,13 +209,6 @@ def _chain(draw, head, feed, x, cache, k: int):
     return draft, p, cache
 
 
-def _shifted_features(features: jax.Array, start: jax.Array, width: int) -> jax.Array:
-    """For positions start..start+width-1 of each row, the target's feature at the
-    previous position (zeros before position 0). features [B, S, D] -> [B, width, D]."""
-    padded = jnp.pad(features, ((0, 0), (1, 0), (0, 0)))  # padded[j] = features[j - 1]
-    return gather_window(padded, start, width)
-
-
 @flax.struct.dataclass
 class FeatureState:
     """A feature draft's loop state: its KV cache, and the target's final hidden state at
@@ -251,7 +245,7 @@ class FeatureDrafter:
         return fs.replace(features=write_window(fs.features, hidden.astype(jnp.float32), start))
 
     def prefill(self, params, tokens, fs: FeatureState, start) -> FeatureState:
-        feats = _shifted_features(fs.features, start, tokens.shape[1])
+        feats = shifted_features(fs.features, start, tokens.shape[1])
         _, cache = FeatureModel(self.cfg).forward(
             params, tokens, feats, start[:, None] + prefix_positions(tokens), fs.cache,
             self._attention(fs.cache))
@@ -281,7 +275,7 @@ class FeatureDrafter:
         start = jnp.maximum(t - self.k, 0)
         width = self.k + 1
         tokens = gather_window(state.tokens, start, width)
-        feats = _shifted_features(fs.features, start, width)
+        feats = shifted_features(fs.features, start, width)
         positions = start[:, None] + jnp.arange(width)[None, :]
         g, cache = FeatureModel(self.cfg).forward(params, tokens, feats, positions, fs.cache,
                                                   self._attention(fs.cache))

@@ -65,6 +65,13 @@ def gather_window(buf: jax.Array, start: jax.Array, width: int) -> jax.Array:
         row, (s,) + (0,) * (row.ndim - 1), (width,) + row.shape[1:]))(buf, start)
 
 
+def shifted_features(features: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    """For positions start..start+width-1 of each row, the target's feature at the
+    previous position (zeros before position 0). features [B, S, D] -> [B, width, D]."""
+    padded = jnp.pad(features, ((0, 0), (1, 0), (0, 0)))  # padded[j] = features[j - 1]
+    return gather_window(padded, start, width)
+
+
 def write_window(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buf[b, start[b] : start[b] + W] = new[b] for each row; buf [B, S, ...], new [B, W, ...]."""
     return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(

@@ -30,7 +30,7 @@ import numpy as np
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits
-from specsamp.decoding.state import DecodeState, gather_window
+from specsamp.decoding.state import DecodeState, gather_window, shifted_features
 from specsamp.decoding.tree import Tree, block_paths, block_positions
 from specsamp.decoding.tree_acceptance import Children
 from specsamp.errors import UserError
@@ -142,12 +142,10 @@ class FeatureSteps(NamedTuple):
     tree: Tree
 
     def first(self, params, state: DecodeState):
-        from specsamp.decoding.drafters import _shifted_features
-
         g, fs = self.drafter.refresh(params, state)  # [B, 1, D] at the root
         b, _, d = g.shape
         gs = jnp.zeros((b, self.tree.size + 1, d), g.dtype).at[:, 0].set(g[:, 0])
-        root_feature = _shifted_features(fs.features, state.current, 1)
+        root_feature = shifted_features(fs.features, state.current, 1)
         return self._model.logits(params, g)[:, 0], (root_feature, gs), fs
 
     def block(self, params, tokens, positions, fs, paths, carry, frontier):
