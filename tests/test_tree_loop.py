@@ -4,6 +4,8 @@ output follows the target's joint distribution of the first three tokens (the ch
 of tests/test_exactness.py, its constants); a control that misstates how the children
 were chosen fails that check."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -151,3 +153,16 @@ def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
     bad = _cli(args + ["--draft", "ngram", "--tree", "2x2"], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert "trees of branches" in bad.stderr
+
+
+def test_top_children_are_lax_top_k():
+    """Catches a child choice other than lax.top_k's (the reference the passes replace):
+    the order of the children, the first index among equal values, and distinct indices
+    when fewer than `width` values are finite (Gumbel scores of zero-probability tokens)."""
+    from specsamp.decoding.tree_draft import _top
+
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 500))
+    x = x.at[0, 0, 9].set(x[0, 0].max()).at[0, 0, 4].set(x[0, 0].max())  # a tie at the top
+    x = x.at[1, 2].set(-jnp.inf).at[1, 2, 7].set(0.5)  # one finite value
+    for width in (1, 2, 3):
+        np.testing.assert_array_equal(np.asarray(_top(x, width)), np.asarray(jax.lax.top_k(x, width)[1]))

@@ -64,13 +64,31 @@ def _choose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, width:
     probability 0 marked -1."""
     logits = logits.astype(jnp.float32)
     if sampling.greedy:
-        return jax.lax.top_k(logits, width)[1].astype(jnp.int32), None
+        return _top(logits, width), None
     probs = probs_from_logits(logits, sampling)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:], jnp.float32))(keys)
     score = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + gumbel, -jnp.inf)
-    tokens = jax.lax.top_k(score, width)[1].astype(jnp.int32)
+    tokens = _top(score, width)
     drawn = jnp.take_along_axis(probs, tokens, axis=2) > 0
     return jnp.where(drawn, tokens, -1), probs
+
+
+def _top(x: jax.Array, width: int) -> jax.Array:
+    """The indices of the `width` largest of x [..., V] in decreasing order, the first
+    index first among equal values, `width` distinct indices (as lax.top_k; values of
+    -inf included): one max-and-first-index pass per child over the values not taken yet.
+    (lax.top_k is a full sort of the row on a CPU, ~8 ms for 49,152 logits, where a pass
+    costs a fraction of a millisecond.)"""
+    v = x.shape[-1]
+    ids = jnp.arange(v, dtype=jnp.int32)
+    taken = jnp.zeros(x.shape, bool)
+    out = []
+    for _ in range(width):
+        best = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
+        top = jnp.min(jnp.where((x == best) & ~taken, ids, v), axis=-1)
+        out.append(jnp.minimum(top, v - 1))
+        taken |= ids == top[..., None]
+    return jnp.stack(out, axis=-1)
 
 
 def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
