@@ -230,14 +230,17 @@ def _topic(plan) -> str:
 def _local_cluster(n: int):
     """A LocalCluster of `n` single-threaded worker processes (a generate call uses the
     cores itself). They start with SIGINT / SIGTERM blocked: a Ctrl-C reaches the whole
-    process group, and the launcher, not each worker, stops the job (`pipelines.stop`)."""
+    process group, and the launcher, not each worker, stops the job (`pipelines.stop`).
+    Their Dask logs are silenced below CRITICAL, as the launcher's are (`_quiet`): at a stop
+    a worker that outlives the scheduler for a moment logs its failed heartbeat at ERROR,
+    with a traceback, on the terminal the workers share with the launcher."""
     from distributed import LocalCluster
 
     _quiet()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, memory_limit=0,
-                               dashboard_address=":0", silence_logs=logging.ERROR)
+                               dashboard_address=":0", silence_logs=logging.CRITICAL)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     try:

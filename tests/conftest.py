@@ -12,8 +12,10 @@ persistent cache. The summary line says how many mappings the process held at mo
 
 The fast lane (`./dev.sh quick`, i.e. `-m "not slow"`) leaves out the real-model tests
 and the modules in OUTSIDE_FAST_LANE (pipelines, sandboxes, training, subprocess CLIs,
-multi-device runs), which this file marks slow; it keeps every exactness test on the tiny
-models in one process. CI runs everything."""
+multi-device runs, remote storage emulators, the draft-agreement analysis tool), which
+this file marks slow; it keeps every exactness test on the tiny models in one process
+(greedy speculative == autoregressive, chi-square distribution tests, batch invariance,
+near-ties, acceptance and tree-acceptance enumeration, sampling). CI runs everything."""
 
 import gc
 
@@ -29,6 +31,7 @@ OUTSIDE_FAST_LANE = frozenset({
     "test_pipeline_slow", "test_pipeline_dask", "test_gcs", "test_sandbox_adversarial",
     "test_sandbox_isolation", "test_distill", "test_feature_distill", "test_cli", "test_eval",
     "test_bench", "test_throughput", "test_report", "test_download", "test_sharding",
+    "test_loading_remote", "test_draft_agreement",
 })
 
 

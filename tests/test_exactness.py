@@ -6,6 +6,7 @@ check is a chi-square test at a false-alarm rate of ALPHA = 1e-4, on fixed seeds
 suite is deterministic). Greedy checks demand token-for-token equality.
 """
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -26,9 +27,11 @@ N_SAMPLES = 24_000
 N_TOKENS = 3
 
 
+@functools.cache
 def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np.ndarray:
     """P(x1, x2, x3 | PROMPT) under the target at `dtype`, by full forward passes over all
-    prefixes (XLA's attention, over keys and values rounded to the cache's type)."""
+    prefixes (XLA's attention, over keys and values rounded to the cache's type). Cached:
+    several tests compare with the same law; the array is read-only."""
     from specsamp.decoding.sampling import probs_from_logits
 
     v = tiny.TARGET.vocab_size
@@ -43,7 +46,9 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np
     joint = np.ones(len(seqs))
     for i in range(N_TOKENS):
         joint *= probs[np.arange(b), n - 1 + i, seqs[:, n + i]]
-    return joint.reshape((v,) * N_TOKENS)
+    joint = joint.reshape((v,) * N_TOKENS)
+    joint.flags.writeable = False
+    return joint
 
 
 # Each test's drafter as a draft string, built by the one factory users' drafters come from.
@@ -166,6 +171,17 @@ GREEDY_CASES = [("model", 1), ("model", 4), ("model-small-head", 3), ("early-exi
                 ("hybrid", 4), ("hybrid-wide", 1), ("hybrid-wide", 2)]
 
 
+GREEDY_PROMPTS = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
+
+
+@functools.cache
+def greedy_autoregressive(kv_cache: str, dtype: str) -> tuple[tuple[int, ...], ...]:
+    """The plain engine's greedy tokens for GREEDY_PROMPTS (24 each), once per cache type
+    and dtype for every drafter compared with them."""
+    engine = make_engine(SamplingParams(0.0), "none", 1, max_new=24, kv_cache=kv_cache, dtype=dtype)
+    return tuple(tuple(r.token_ids) for r in engine.run(GREEDY_PROMPTS, [0, 1, 2, 3]))
+
+
 # with a float16 KV cache too (both engines on it), for two of the drafters; and in
 # bfloat16 (weights, activations and cache) for four
 @pytest.mark.parametrize("drafter,k,kv_cache,dtype", [(d, k, "float32", "float32") for d, k in GREEDY_CASES]
@@ -174,11 +190,9 @@ GREEDY_CASES = [("model", 1), ("model", 4), ("model-small-head", 3), ("early-exi
                             [("model", 4), ("early-exit", 3), ("ngram", 2), ("hybrid-wide", 2)]])
 def test_greedy_speculative_equals_greedy_autoregressive(drafter, k, kv_cache, dtype):
     sp = SamplingParams(0.0)
-    prompts = [PROMPT, [5, 4], [7], [3, 3, 3, 3, 3, 3, 1]]
-    ar = make_engine(sp, "none", 1, max_new=24, kv_cache=kv_cache, dtype=dtype).run(prompts, [0, 1, 2, 3])
-    spec = make_engine(sp, drafter, k, max_new=24, kv_cache=kv_cache, dtype=dtype).run(prompts, [0, 1, 2, 3])
-    for a, s in zip(ar, spec):
-        assert s.token_ids == a.token_ids
+    spec = make_engine(sp, drafter, k, max_new=24, kv_cache=kv_cache, dtype=dtype).run(GREEDY_PROMPTS, [0, 1, 2, 3])
+    for a, s in zip(greedy_autoregressive(kv_cache, dtype), spec):
+        assert s.token_ids == a
         assert len(s.token_ids) == 24 and s.stop_reason == "max_tokens"
         # Each target call emits accepted + 1 tokens; only the last may be cut at max tokens.
         assert 0 <= sum(s.accepted) + s.calls - 24 <= max(s.drafted, default=k)

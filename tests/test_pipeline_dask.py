@@ -185,6 +185,27 @@ def test_ctrl_c_stops_the_cluster_with_one_line(env, tmp_path):
     assert not [n for n in os.listdir(out) if commit.TEMP_MARK in n]
 
 
+def _heartbeat_failure() -> None:
+    """What a worker logs when its scheduler went first (a stop): an ERROR with a traceback."""
+    import logging
+
+    try:
+        raise OSError("the scheduler is gone")
+    except OSError:
+        logging.getLogger("distributed.worker").exception("Failed to communicate with scheduler during heartbeat.")
+
+
+def test_local_cluster_workers_log_no_traceback(capfd):
+    """The LocalCluster's workers share the launcher's terminal: a worker's Dask error log
+    (a failed heartbeat after the scheduler stopped, seen at Ctrl-C) must not reach it."""
+    from distributed import Client
+
+    with dask_cluster._local_cluster(1) as cluster, Client(cluster.scheduler_address) as client:
+        client.run(_heartbeat_failure)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "heartbeat" not in err, err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
