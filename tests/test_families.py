@@ -71,10 +71,10 @@ def test_logits_match_transformers(family, attention):
 
 
 # bfloat16 keeps 8 significant bits: each rounding moves a value by up to 2^-9 of itself,
-# and a few layers of them move a logit by a few percent of the logits' range. Measured on
-# these checkpoints (docs/dtype.md): at most 0.040 x max|logit| (tiny_llama3), 0.005-0.028
-# for the others. The bound is 0.1 x max|logit|, with room for another machine's bfloat16
-# products; a feature computed wrongly moves logits by a sizeable part of their range.
+# and a few layers of them move a logit by a few percent of the logits' range (the figures
+# on these checkpoints: docs/dtype.md). The bound is 0.1 x max|logit|, with room for another
+# machine's bfloat16 products; a feature computed wrongly moves logits by a sizeable part
+# of their range.
 BFLOAT16_TOLERANCE = 0.1
 
 

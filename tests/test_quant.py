@@ -182,7 +182,8 @@ def test_one_call_for_several_matrices(kind):
 
 
 # Outside the fast lane: a subprocess reruns the kernel test files per instruction set
-# (about 20 s each), and no exactness property depends on which set runs.
+# (an interpreter and the kernel tests each time), and no exactness property depends on
+# which set runs.
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_kernels_on_other_instruction_sets(isa):

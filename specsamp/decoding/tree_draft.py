@@ -77,8 +77,8 @@ def _top(x: jax.Array, width: int) -> jax.Array:
     """The indices of the `width` largest of x [..., V] in decreasing order, the first
     index first among equal values, `width` distinct indices (as lax.top_k; values of
     -inf included): one max-and-first-index pass per child over the values not taken yet.
-    (lax.top_k is a full sort of the row on a CPU, ~8 ms for 49,152 logits, where a pass
-    costs a fraction of a millisecond.)"""
+    (lax.top_k is a full sort of the row on a CPU, far slower than a few passes for the
+    small widths of a tree: docs/measurements.md, token trees.)"""
     v = x.shape[-1]
     ids = jnp.arange(v, dtype=jnp.int32)
     taken = jnp.zeros(x.shape, bool)
