@@ -31,6 +31,7 @@ import time
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipelines.commit import remove_stale_temps
 from pipelines.stop import kept_in, signal_words
 from specsamp.errors import RunFailed, UserError
 
@@ -84,6 +85,7 @@ class DaskTarget:
         self._workers = 1
         self._address = None
         self._plan = None
+        self._own_cluster = False
 
     @contextlib.contextmanager
     def started(self, plan, dry_run: bool):
@@ -101,6 +103,7 @@ class DaskTarget:
                 n = self.options.view_as(DaskClusterOptions).dask_workers or default_workers(plan.cfg)
                 dask_options.address = stack.enter_context(_local_cluster(n)).scheduler_address
                 where = f"a LocalCluster of {n} worker processes started here"
+                self._own_cluster = True
             else:
                 where = "an existing cluster"
             self._address = dask_options.address
@@ -125,7 +128,11 @@ class DaskTarget:
 
     def stopped(self, signum: int, output: str) -> str:
         """The line for Ctrl-C / SIGTERM, after the job's tasks on the cluster are cancelled
-        (a LocalCluster's workers are already gone with the launcher's child processes)."""
+        (a LocalCluster's workers are already gone with the launcher's child processes, so
+        what they left half-written is removed now; another cluster's workers may still be
+        writing, and the next run removes theirs)."""
+        if self._own_cluster:
+            remove_stale_temps(output)
         name, what = signal_words(signum)
         cancelled = self.result is not None and _within(5, lambda: self.result.client.cancel(self.result.futures))
         return (f"specsamp run: {what} ({name}); "

@@ -22,6 +22,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from pipelines import dask_cluster
+from pipelines.commit import remove_stale_temps
 from pipelines.stop import kept_in, signal_words
 from specsamp.errors import UserError
 
@@ -75,6 +76,9 @@ class LocalTarget:
         """Nothing to add: the reports end in the runner's memory (small: keys per batch)."""
 
     def stopped(self, signum: int, output: str) -> str:
+        """The line for Ctrl-C / SIGTERM, once the worker processes are gone: what a killed
+        writer left half-written is removed now, not at the next run."""
+        remove_stale_temps(output)
         name, what = signal_words(signum)
         return f"specsamp run: {what} ({name}); {kept_in(output)}"
 

@@ -93,19 +93,40 @@ def _stop(signum: int, message) -> None:
         sys.stderr.flush()
         err = os.dup(2)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-        kill_descendants()
+        _wait_gone(kill_descendants())
         os.write(err, (message(signum) + "\n").encode())
     finally:
         os._exit(128 + signum)
 
 
-def kill_descendants() -> None:
-    """SIGKILL every process started below this one (the runner's worker processes)."""
-    for pid in _descendants(os.getpid()):
+def kill_descendants() -> list[int]:
+    """SIGKILL every process started below this one (the runner's worker processes);
+    returns their ids."""
+    pids = _descendants(os.getpid())
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    return pids
+
+
+def _wait_gone(pids: list[int], seconds: float = 5.0) -> None:
+    """Wait until the killed processes have exited (a zombie counts as gone): SIGKILL is
+    delivered asynchronously, and a write in flight finishes first, so only then can the
+    stop's message sweep what they left (`pipelines.commit.remove_stale_temps`)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except (OSError, IndexError):
+                break
+            time.sleep(0.02)
 
 
 def spawned_processes(root: int) -> list[int]:
