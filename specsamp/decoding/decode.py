@@ -25,7 +25,8 @@ from specsamp.decoding.tree_round import tree_round
 from specsamp.errors import UserError
 from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (
-    MAX_TOKENS, RUNNING, DecodeState, commit, cond_in_place, gather_window, log_draft_calls, prefix_positions, round_keys,
+    MAX_TOKENS, RUNNING, DecodeState, commit, commit_accepted, cond_in_place, gather_window,
+    log_draft_calls, prefix_positions, round_keys,
 )
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.argmax import first_argmax
@@ -293,11 +294,9 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
             n = jnp.where(found, n, 0)
             x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it
 
-    draft_pad = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)
-    new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], draft_pad, x[:, None])
     state = state.replace(target_cache=cache, draft=draft_state)
-    return commit(state, new, n + 1, n, eos_ids, stop_ids,
-                  drafted=k if found is None else jnp.where(found, k, 0))
+    return commit_accepted(state, draft, n, x, eos_ids, stop_ids,
+                           drafted=k if found is None else jnp.where(found, k, 0))
 
 
 def _round(prog: Program, k: int, target_params, draft_params, state, eos_ids, stop_ids):

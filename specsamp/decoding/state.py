@@ -98,6 +98,16 @@ def prefix_positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
+def commit_accepted(state: DecodeState, kept: jax.Array, n: jax.Array, x: jax.Array,
+                    eos_ids: jax.Array, stop_ids: jax.Array, drafted: int | jax.Array) -> DecodeState:
+    """A drafted round's `commit`: the first n[b] of the draft tokens kept[b] (their order
+    in the output; [B, K]) and then the target's token x[b]."""
+    k = kept.shape[1]
+    padded = jnp.concatenate([kept, jnp.zeros_like(kept[:, :1])], axis=1)
+    new = jnp.where(jnp.arange(k + 1)[None, :] < n[:, None], padded, x[:, None])
+    return commit(state, new, n + 1, n, eos_ids, stop_ids, drafted=drafted)
+
+
 def commit(
     state: DecodeState, new: jax.Array, count: jax.Array, n_accepted: jax.Array,
     eos_ids: jax.Array, stop_ids: jax.Array, drafted: int | jax.Array,

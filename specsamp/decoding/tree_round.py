@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.sampling import probs_from_logits
-from specsamp.decoding.state import DecodeState, commit, gather_window, log_draft_calls, round_keys
+from specsamp.decoding.state import DecodeState, commit_accepted, gather_window, log_draft_calls, round_keys
 from specsamp.decoding.tree import block_paths, block_positions
 from specsamp.decoding.tree_acceptance import accept_tree_batch, accept_tree_greedy_batch
 from specsamp.models.argmax import first_argmax
@@ -49,14 +49,11 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
         acc = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
                                 children=proposal.children)
 
-    k = tree.max_depth
     kept = jnp.take_along_axis(proposal.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, K]
-    kept = jnp.concatenate([kept, jnp.zeros_like(kept[:, :1])], axis=1)
-    new = jnp.where(jnp.arange(k + 1)[None, :] < acc.n[:, None], kept, acc.token[:, None])
     # The target's features along the accepted path (root, then its nodes; the root's row
     # past them, stale positions a later round overwrites) for a drafter that reads them.
     rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # [B, K+1]
     draft_state = prog.drafter.observe(
         proposal.draft_state, jnp.take_along_axis(hidden, rows[:, :, None], axis=1), t)
     state = state.replace(target_cache=keep_path(cache, acc.path, t), draft=draft_state)
-    return commit(state, new, acc.n + 1, acc.n, eos_ids, stop_ids, drafted=tree.size)
+    return commit_accepted(state, kept, acc.n, acc.token, eos_ids, stop_ids, drafted=tree.size)
