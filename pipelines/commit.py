@@ -27,16 +27,16 @@ from specsamp.fs import filesystem, join
 TEMP_MARK = ".tmp-"
 
 
-def row_key(row: dict) -> tuple[str, str, int]:
-    """The exactly-once key of an output row: (prompt id, drafter, K)."""
-    return (row["id"], row["draft"], int(row["k"]))
+def row_key(row: dict) -> tuple[str, str, int, str]:
+    """The exactly-once key of an output row: (prompt id, drafter, K, tree)."""
+    return (row["id"], row["draft"], int(row["k"]), row["tree"])
 
 
 def shard_name(table: str, config_hash: str, keys) -> str:
     """`TABLE-<hash of config and keys>.parquet`: the same rows always get the same name."""
     digest = hashlib.sha256(config_hash.encode())
-    for pid, draft, k in sorted(keys, key=lambda t: (str(t[0]), t[1], t[2])):
-        digest.update(f"\x1e{pid}\x1f{draft}\x1f{k}".encode())
+    for pid, draft, k, tree in sorted(keys, key=lambda t: (str(t[0]), *t[1:])):
+        digest.update(f"\x1e{pid}\x1f{draft}\x1f{k}\x1f{tree}".encode())
     return f"{table}-{digest.hexdigest()[:24]}.parquet"
 
 

@@ -167,7 +167,7 @@ def _scan_output(cfg: RunConfig, retry: frozenset | None) -> tuple[frozenset, fr
     remove_stale_temps(cfg.output)
     found, want = {}, cfg.config_hash()
     for table, schema in zip(TABLES, (COMPLETIONS, ERRORS)):
-        columns = ["id", "draft", "k", "config_hash"] + (["error_kind"] if table == "errors" else [])
+        columns = ["id", "draft", "k", "tree", "config_hash"] + (["error_kind"] if table == "errors" else [])
         for path in glob(join(cfg.output, f"{table}-*.parquet")):
             fs, stripped = filesystem(path)
             try:
@@ -183,8 +183,8 @@ def _scan_output(cfg: RunConfig, retry: frozenset | None) -> tuple[frozenset, fr
                                 f"this one is {want}); choose another --output")
             d = got.to_pydict()
             kinds = d.get("error_kind") or [None] * len(d["id"])
-            for i, dr, k, kind in zip(d["id"], d["draft"], d["k"], kinds):
-                key = (i, Setting(dr, k).key)
+            for i, dr, k, tree, kind in zip(d["id"], d["draft"], d["k"], d["tree"], kinds):
+                key = (i, Setting(dr, k, tree).key)
                 if kind is None or found.get(key, "") is not None:  # a completion wins
                     found[key] = kind
     retried = {key for key, kind in found.items()
@@ -194,14 +194,17 @@ def _scan_output(cfg: RunConfig, retry: frozenset | None) -> tuple[frozenset, fr
 
 def check_context(cfg: RunConfig) -> None:
     """max_new_tokens (plus a draft round and a one-token prompt) must fit the target's
-    context; checked before any work, or every row would fail as too long."""
+    context; checked before any work, or every row would fail as too long. A tree's round
+    scores all its nodes."""
     from pipelines.context import context_length
 
     n = context_length(cfg.target_name)
     if n is None:
         return
-    k = max(max(s.k, 1) for s in cfg.settings)
+    widest = max(cfg.settings, key=lambda s: max(s.span, 1))
+    k = max(widest.span, 1)
     room = n - k - 3
     if cfg.max_new_tokens > room:
+        what = f"K={k}" if widest.tree == "off" else f"tree {widest.tree} of {k} nodes"
         raise UserError(f"max_new_tokens {cfg.max_new_tokens} does not fit the target's context of "
-                        f"{n} tokens (at most {room} with K={k}, leaving room for a prompt)")
+                        f"{n} tokens (at most {room} with {what}, leaving room for a prompt)")

@@ -49,10 +49,15 @@ class Example:
     seed: int
     dataset: str
     extra: str | None
+    tree: str = "off"
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.draft, self.k, self.tree)
 
     @property
     def key(self) -> str:
-        return Setting(self.draft, self.k).key
+        return self.setting.key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +112,7 @@ def expand(item: PromptRow, cfg: RunConfig, info: RunInfo, todo) -> list[tuple[s
                                            sample_seed(cfg.seed, pid), extra)))
         else:
             out.append(("example", Example(pid, prompt, s.draft, s.k, sample_seed(cfg.seed, pid),
-                                           dataset, extra)))
+                                           dataset, extra, s.tree)))
     return out
 
 
@@ -122,7 +127,7 @@ def completion_row(info: RunInfo, ex: Example, c, device_kind: str, cost_ratio: 
                                  "acceptance_rate",
                                  "tokens_per_call", "prefill_s", "decode_s", "total_s",
                                  "ms_per_token", "compile_s")},
-        **_run_fields(info, ex.draft, ex.k, ex.dataset, ex.seed, device_kind),
+        **_run_fields(info, ex.setting, ex.dataset, ex.seed, device_kind),
         "cost_ratio": None if cost_ratio is None or math.isnan(cost_ratio) else float(cost_ratio),
         "extra": ex.extra,
     }
@@ -135,20 +140,21 @@ def error_row(info: RunInfo, pid, prompt, kind: str, message: str, setting: Sett
     return {
         "id": pid, "prompt": prompt, "error": " ".join(str(message).split())[:2000],
         "error_kind": kind,
-        **_run_fields(info, setting.draft, setting.k, dataset, seed, device_kind),
+        **_run_fields(info, setting, dataset, seed, device_kind),
         "extra": extra,
     }
 
 
 def example_error(info: RunInfo, ex: Example, kind: str, message: str, device_kind: str = "") -> dict:
-    return error_row(info, ex.id, ex.prompt, kind, message, Setting(ex.draft, ex.k),
+    return error_row(info, ex.id, ex.prompt, kind, message, ex.setting,
                      ex.dataset, ex.seed, ex.extra, device_kind)
 
 
-def _run_fields(info: RunInfo, draft: str, k: int, dataset: str, seed: int, device_kind: str) -> dict:
+def _run_fields(info: RunInfo, setting: Setting, dataset: str, seed: int, device_kind: str) -> dict:
     return {
-        "dataset": dataset, "mode": Setting(draft, k).mode, "target": info.target,
-        "draft": draft, "k": k, "temperature": info.temperature, "top_k": info.top_k,
+        "dataset": dataset, "mode": setting.mode, "target": info.target,
+        "draft": setting.draft, "k": setting.k, "tree": setting.tree,
+        "temperature": info.temperature, "top_k": info.top_k,
         "top_p": info.top_p, "seed": seed, "run_id": info.run_id,
         "config_hash": info.config_hash, "worker_host": socket.gethostname(),
         "device_kind": device_kind, "schema_version": SCHEMA_VERSION,

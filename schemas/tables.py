@@ -8,13 +8,16 @@ Versions:
   1: first release.
   2: completions gain `compile_s`; statistics describe exactly the emitted tokens (cut at
      a stop string; a round cut by EOS or the token limit counts only its emitted tokens).
+  3: completions gain `drafted_per_loop` (each loop's own K).
+  4: completions and errors gain `tree` (a setting's token tree, part of the row key with
+     id, draft and k); a tree round's loop counts are its nodes scored and accepted depth.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _META_KEY = b"specsamp.schema_version"
 
 
@@ -36,6 +39,7 @@ _RUN_FIELDS = [
     _f("target", pa.string(), "Target model identifier (path or 'smollm2' for the default)."),
     _f("draft", pa.string(), "Drafter: a path, 'ngram', 'early-exit:L', or 'none'."),
     _f("k", pa.int32(), "Draft tokens per loop, the setting's K (0 for autoregressive; -1 for `k: auto`, the batch-aware policy, which picks K each round: drafted_per_loop holds what it picked)."),
+    _f("tree", pa.string(), "The setting's token tree: 'off' (chains of k drafts; the baseline too) or its widths per depth, e.g. '2x1' (k is then its depth). With id, draft and k the row's key: a tree and a chain of one drafter are different settings."),
     _f("temperature", pa.float32(), "Sampling temperature (0 = greedy)."),
     _f("top_k", pa.int32(), "Top-k filter (0 = off)."),
     _f("top_p", pa.float32(), "Nucleus filter (1.0 = off)."),
@@ -59,9 +63,9 @@ COMPLETIONS = pa.schema(
         *_RUN_FIELDS,
         _f("target_calls", pa.int32(), "Target model calls (rounds) that produced the generated tokens: speculative loops plus plain steps (an n-gram round without a match; every round of the baseline)."),
         _f("draft_calls", pa.int32(), "Draft model calls in those rounds (K per loop of a draft model; 0 for n-gram; a hybrid: 1 in lookup loops)."),
-        _f("accepted_per_loop", pa.list_(pa.int32()), "Per speculative loop (a call that scored a draft): draft tokens kept by the rejection rule and emitted, 0..K; a loop ended early by EOS, a stop or the token limit counts only the draft tokens it emitted."),
-        _f("drafted_per_loop", pa.list_(pa.int32()), "Per speculative loop: draft tokens it scored, its K (the setting's k, or the K that k auto chose for that round); same length as accepted_per_loop."),
-        _f("acceptance_rate", pa.float64(), "sum(accepted_per_loop) / sum(drafted_per_loop) (NaN for autoregressive)."),
+        _f("accepted_per_loop", pa.list_(pa.int32()), "Per speculative loop (a call that scored a draft): draft tokens kept by the rejection rule and emitted, 0..K; for a tree, the accepted depth (tokens of the accepted path, 0..its depth). A loop ended early by EOS, a stop or the token limit counts only the draft tokens it emitted."),
+        _f("drafted_per_loop", pa.list_(pa.int32()), "Per speculative loop: draft tokens it scored, its K (the setting's k, or the K that k auto chose for that round); for a tree, its node count (every node is scored; 4 for 2x1). Same length as accepted_per_loop."),
+        _f("acceptance_rate", pa.float64(), "sum(accepted_per_loop) / sum(drafted_per_loop) (NaN for autoregressive; for a tree, the share of scored nodes kept)."),
         _f("tokens_per_call", pa.float64(), "Generated tokens / target calls."),
         _f("prefill_s", pa.float64(), "Seconds of the batch's prompt pass (both models), compilation excluded."),
         _f("decode_s", pa.float64(), "Seconds of decoding until this sample's last emitted token, compilation excluded: the batch's decode time x target_calls / the rounds the batch ran (rounds of a batch take equal time); at batch size 1, the measured time less any rounds run past a stop string."),

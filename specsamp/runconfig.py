@@ -17,7 +17,9 @@ import hashlib
 import json
 import os
 
-from specsamp.decoding.config import AUTO_K, DRAFT_FORMS, SamplingParams, parse_draft, parse_k
+from specsamp.decoding.config import (
+    AUTO_K, DRAFT_FORMS, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
+)
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
@@ -35,10 +37,12 @@ def k_label(k: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One generation setting: a drafter and its K (`draft: none` is the baseline)."""
+    """One generation setting: a drafter and its K (`draft: none` is the baseline), or a
+    drafter and a token tree (`tree: 2x1`; k is then the tree's depth)."""
 
     draft: str = "none"
     k: int = 0  # K_AUTO (-1): `k: auto`, the batch-aware policy (also in output tables' k column)
+    tree: str = "off"  # 'off' (chains of k) or widths per depth (`decoding.config.parse_tree`)
 
     @property
     def mode(self) -> str:
@@ -46,12 +50,22 @@ class Setting:
 
     @property
     def key(self) -> str:
-        """Identifies the setting in output rows (with the prompt id: the resume key)."""
-        return f"{self.draft}|{k_label(self.k)}"
+        """Identifies the setting in output rows (with the prompt id: the resume key); only
+        a tree setting's key names its tree."""
+        chain = f"{self.draft}|{k_label(self.k)}"
+        return chain if self.tree == "off" else f"{chain}|{self.tree}"
 
     @property
     def label(self) -> str:
-        return "baseline" if self.draft == "none" else f"{self.draft} K={k_label(self.k)}"
+        if self.draft == "none":
+            return "baseline"
+        return f"{self.draft} K={k_label(self.k)}" if self.tree == "off" else f"{self.draft} tree={self.tree}"
+
+    @property
+    def span(self) -> int:
+        """The most draft tokens one round scores: the tree's nodes, else K (0: none)."""
+        tree = parse_tree(self.tree)
+        return tree.size if tree is not None else max(self.k, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +121,10 @@ class RunConfig:
                 "weights", "kv_cache")
         full = dataclasses.asdict(self)
         body = {k: full[k] for k in keys}
+        # A chain setting hashes without its tree (chain configs keep their hashes); a tree
+        # joins where it is set.
+        body["settings"] = [{k: v for k, v in s.items() if k != "tree" or v != "off"}
+                            for s in body["settings"]]
         body["target"] = self.target_name
         # Configs from before `dtype` keep their hash: the defaults hash as they did then
         # (a float32 cache), and dtype joins only when set.
@@ -173,20 +191,33 @@ def from_dict(raw: dict, where: str = "config") -> RunConfig:
 
 
 def _parse_settings(items, where: str) -> tuple[Setting, ...]:
-    """`- {draft: ngram, k: [1, 2, 4]}` expands to one setting per K."""
+    """`- {draft: ngram, k: [1, 2, 4]}` expands to one setting per K, `tree: [off, 2x1]` to
+    one per tree (the chains at each K; a tree at its depth, which a given k must equal)."""
     if not isinstance(items, list) or not items:
-        raise UserError(f"{where}: 'settings' must be a non-empty list of {{draft, k}}")
+        raise UserError(f"{where}: 'settings' must be a non-empty list of {{draft, k, tree}}")
     out = []
     for item in items:
-        if not isinstance(item, dict) or set(item) - {"draft", "k"}:
-            raise UserError(f"{where}: each setting is a mapping with 'draft' and 'k', got {item!r}")
+        if not isinstance(item, dict) or set(item) - {"draft", "k", "tree"}:
+            raise UserError(f"{where}: each setting is a mapping with 'draft', 'k' and 'tree', got {item!r}")
         draft = item.get("draft", "none")
         ks = item.get("k", 0 if draft == "none" else 4)
-        for k in ks if isinstance(ks, list) else [ks]:
-            out.append(_check_setting(draft, k, where))
+        trees = item.get("tree", "off")
+        for tree in trees if isinstance(trees, list) else [trees]:
+            tree = _tree_text(tree)
+            if tree == "off":
+                out += [_check_setting(draft, k, where) for k in (ks if isinstance(ks, list) else [ks])]
+            else:
+                out.append(_check_tree_setting(draft, tree, item.get("k"), where))
     if len(set(out)) != len(out):
         raise UserError(f"{where}: a setting is listed twice: {[s.label for s in out]}")
     return tuple(out)
+
+
+def _tree_text(value):
+    """A YAML tree value as `parse_tree` reads it: YAML reads `off` as false and `2` as 2."""
+    if value is False:
+        return "off"
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _check_setting(draft, k, where: str) -> Setting:
@@ -204,6 +235,46 @@ def _check_setting(draft, k, where: str) -> Setting:
     if kind in ("model", "hybrid"):
         _check_path(arg if kind == "model" else arg[1], "draft", where)
     return setting
+
+
+def _check_tree_setting(draft, tree: str, k, where: str) -> Setting:
+    """A tree setting: K is the tree's depth; a k given must be that depth (never auto)."""
+    if draft == "none":
+        raise UserError(f"{where}: the baseline (draft: none) takes no tree, got tree={tree!r}")
+    try:
+        parsed = parse_tree(tree)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    depth = parsed.max_depth
+    tree = "x".join(str(int(w)) for w in tree.split("x"))  # one spelling per tree: 2x01 is 2x1
+    for given in k if isinstance(k, list) else [k]:
+        if given == "auto":
+            raise UserError(f"{where}: tree and k auto do not combine yet: give a tree or k auto "
+                            f"(draft {draft}, tree {tree})")
+        if given is not None and given != depth:
+            raise UserError(f"{where}: tree {tree} drafts K = its depth {depth}, got k={given!r}; "
+                            f"leave k out (list the tree as a setting of its own beside chains "
+                            f"of other K) or give k: {depth}")
+    return dataclasses.replace(_check_setting(draft, depth, where), tree=tree)
+
+
+def _check_tree_drafter(setting: Setting, target: str | None, where: str) -> None:
+    """A UserError unless the setting's drafter (draft `auto` as resolved for `target`)
+    drafts its tree, as the generator would find when it loads."""
+    from specsamp.decoding.drafts import default_draft
+
+    draft = default_draft(target) if setting.draft == "auto" else setting.draft
+    kind, _ = parse_draft(draft)
+    shown = setting.draft if draft == setting.draft else f"{setting.draft} ({draft})"
+    if kind not in TREE_DRAFTS:
+        raise UserError(f"{where}: tree {setting.tree}: {no_tree_drafter(f'drafter {shown}')}")
+    if kind == "ngram":
+        from specsamp.decoding.lookup import NgramDrafter
+
+        try:
+            NgramDrafter.check_tree(parse_tree(setting.tree))
+        except UserError as e:
+            raise UserError(f"{where}: tree {setting.tree} with drafter {shown}: {e}") from None
 
 
 def _check_path(path: str, what: str, where: str) -> None:
@@ -242,6 +313,9 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
         if not isinstance(cfg.target, str):
             fail(f"'target' must be a path or 'smollm2', got {cfg.target!r}")
         _check_path(cfg.target, "target", where)
+    for s in cfg.settings:
+        if s.tree != "off":
+            _check_tree_drafter(s, cfg.target, where)
     _check_int(cfg.max_new_tokens, "max_new_tokens", 1, fail)
     _check_int(cfg.batch_size, "batch_size", 1, fail)
     _check_int(cfg.tensor_parallel, "tensor_parallel", 1, fail)

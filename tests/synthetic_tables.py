@@ -16,9 +16,11 @@ RUN = dict(dataset="humaneval", target="smollm2", top_k=0, top_p=1.0, run_id="r1
 
 def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s=1.0,
                    prefill_s=0.1, accepted=(4, 2), tokens=None, cost_ratio=0.1,
-                   completion="", extra=None, id=None, dataset="humaneval", drafted=None) -> dict:
+                   completion="", extra=None, id=None, dataset="humaneval", drafted=None,
+                   tree="off") -> dict:
     """One row; loops and token counts follow the engine's rules (tokens = sum(accepted) + loops).
-    `drafted`: each loop's K where it varies (`k: auto`, k = -1); else k every loop."""
+    `drafted`: each loop's K where it varies (`k: auto`, k = -1), or a tree's node count;
+    else k every loop."""
     accepted = list(accepted) if mode == "speculative" else []
     drafted = list(drafted) if drafted is not None else [k] * len(accepted)
     if tokens is None:
@@ -30,8 +32,8 @@ def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s
         "completion_token_ids": list(range(tokens)), "prompt_tokens": 5,
         "generated_tokens": tokens, "stop_reason": "max_tokens",
         "mode": mode, "draft": "d" if mode == "speculative" else "none",
-        "k": k if mode == "speculative" else 0, "temperature": temperature, "seed": i,
-        "target_calls": loops, "draft_calls": sum(drafted) if mode == "speculative" else 0,
+        "k": k if mode == "speculative" else 0, "tree": tree if mode == "speculative" else "off",
+        "temperature": temperature, "seed": i, "target_calls": loops, "draft_calls": sum(drafted) if mode == "speculative" else 0,
         "accepted_per_loop": accepted, "drafted_per_loop": drafted,
         "acceptance_rate": sum(accepted) / sum(drafted) if accepted else float("nan"),
         "tokens_per_call": tokens / loops if loops else float("nan"), "prefill_s": prefill_s, "decode_s": decode_s,
@@ -45,7 +47,7 @@ def completion_row(i: int, *, mode="speculative", k=4, temperature=0.0, decode_s
 def error_row(i: int, *, mode="speculative", k=4, temperature=0.0, kind="too_long") -> dict:
     return {**RUN, "id": f"e{i}", "prompt": "x", "error": f"{kind} happened", "error_kind": kind,
             "mode": mode, "draft": "d" if mode == "speculative" else "none",
-            "k": k if mode == "speculative" else 0, "temperature": temperature, "seed": i,
+            "k": k if mode == "speculative" else 0, "tree": "off", "temperature": temperature, "seed": i,
             "extra": None}
 
 

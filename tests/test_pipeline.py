@@ -183,9 +183,9 @@ def test_graph_counts_and_counters(env):
     bad = [(i, kind) for i, kind in env["expected"].items() if kind is not None]
     p = BeamTestPipeline(runner="FnApiRunner")
     reports = build(p, plan, loader=FAILING_LOADER, parallelism=2)
-    assert_that(reports | beam.FlatMap(lambda r: [(i, k) for i, _, k in r["completions"]]),
+    assert_that(reports | beam.FlatMap(lambda r: [(i, k) for i, _, k, _ in r["completions"]]),
                 equal_to([(i, s.k) for i in good for s in cfg.settings]), label="CheckCompletions")
-    assert_that(reports | beam.FlatMap(lambda r: [(i, kind) for i, _, _, kind in r["errors"]]),
+    assert_that(reports | beam.FlatMap(lambda r: [(i, kind) for i, _, _, _, kind in r["errors"]]),
                 equal_to([b for b in bad for _ in cfg.settings]), label="CheckErrors")
     result = p.run()
     counters = {}
@@ -263,3 +263,45 @@ def test_one_input_file_is_spread_over_two_workers(env, tmp_path, monkeypatch):
          "--input", str(env["root"] / "prompts" / "mixed-0.parquet"),
          "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"], loader=PID_LOADER)
     assert len(os.listdir(log)) == 2
+
+
+def test_tree_setting_beside_the_chain_of_its_drafter(env, tmp_path, capsys):
+    """A token tree (2x1: 4 nodes, depth 2) and the chain at K = 2 of the same draft model
+    in one run: every (id, setting) once, told apart by the tree column; each tree round
+    scored 4 nodes and each chain round 2 tokens; greedy rows of both equal the baseline's
+    tokens; running the same command again adds nothing."""
+    from tests.pipeline_support import ROWS, write_config
+
+    config = write_config(str(tmp_path / "tree.yaml"), env["target"], env["draft"],
+                          input=str(env["root"] / "prompts" / "mixed-0.parquet"), output=str(tmp_path / "out"),
+                          settings=[{"draft": "none"}, {"draft": env["draft"], "k": 2},
+                                    {"draft": env["draft"], "tree": "2x1"}])
+    summary = run(["--config", config])
+    out = str(tmp_path / "out")
+    done, failed = read(out, "completions").to_pylist(), read(out, "errors").to_pylist()
+    expected = [i for i, _, _ in ROWS]
+    want = {(i, d, k, t) for i in expected for d, k, t in
+            (("none", 0, "off"), (env["draft"], 2, "off"), (env["draft"], 2, "2x1"))}
+    keys = [(r["id"], r["draft"], r["k"], r["tree"]) for r in done + failed]
+    assert len(keys) == len(set(keys)) and set(keys) == want
+    assert {r["tree"] for r in failed if r["draft"] != "none"} == {"off", "2x1"}
+    by = {(r["id"], r["tree"], r["mode"]): r for r in done}
+    trees = [r for r in done if r["tree"] == "2x1"]
+    chains = [r for r in done if r["tree"] == "off" and r["mode"] == "speculative"]
+    assert trees and len(trees) == len(chains)
+    for r in trees:
+        assert r["drafted_per_loop"] and set(r["drafted_per_loop"]) == {4}
+        assert all(0 <= a <= 2 for a in r["accepted_per_loop"])
+        base = by[(r["id"], "off", "autoregressive")]
+        assert r["completion_token_ids"] == base["completion_token_ids"], r["id"]
+    for r in chains:
+        assert set(r["drafted_per_loop"]) == {2}
+        assert r["completion_token_ids"] == by[(r["id"], "off", "autoregressive")]["completion_token_ids"]
+    assert " tree 2x1 " in summary.text()
+
+    before = files(out, "completions") + files(out, "errors")
+    capsys.readouterr()
+    again = run(["--config", config])
+    assert "nothing to do" in capsys.readouterr().err
+    assert files(out, "completions") + files(out, "errors") == before
+    assert (again.completions, again.errors) == (summary.completions, summary.errors)

@@ -202,7 +202,7 @@ def _row(pid: str) -> dict:
     row = {f.name: None for f in COMPLETIONS}
     row.update(id=pid, prompt="p", completion="c", completion_token_ids=[1], prompt_tokens=1,
                generated_tokens=1, stop_reason="eos", dataset="d", mode="autoregressive", target="t",
-               draft="none", k=0, temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
+               draft="none", k=0, tree="off", temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
                config_hash="0123456789abcdef", worker_host="h", device_kind="cpu",
                schema_version=SCHEMA_VERSION,
                target_calls=1, draft_calls=0, accepted_per_loop=[], drafted_per_loop=[], acceptance_rate=float("nan"),

@@ -302,3 +302,58 @@ def test_run_summary_and_report_give_the_same_speedup(tmp_path):
     assert mine.tokens_per_call == pytest.approx(g.tokens_per_call, rel=1e-12)
     pooled = sum(r["decode_s"] for r in ar) / sum(r["generated_tokens"] for r in ar)
     assert abs(1000 * pooled - base.ms_per_token) > 1e-3  # the two definitions differ here
+
+
+def test_tree_groups_show_accepted_depth_histogram_and_nodes(tmp_path, tmp_path_factory, capsys):
+    """A tree setting (2x1: 4 nodes scored, depth 2) beside a chain of the same drafter and
+    K, on the same prompt ids: tree joins the grouping keys, the tree group's histogram of
+    accepted depth and mean nodes per round are its own rounds' counts (computed here from
+    the rows), its alpha and positions count 2 levels, and the chain's figures and text
+    are what they are without the tree."""
+    from collections import Counter
+
+    from pipelines.summary import summarize as run_summary
+
+    rng = np.random.default_rng(11)
+    ar = [completion_row(i, mode="autoregressive", decode_s=float(rng.uniform(0.5, 1.5))) for i in range(10)]
+    chain = random_rows(rng, 10, k=2)
+    trees = [completion_row(i, k=2, tree="2x1", accepted=acc, drafted=[4] * len(acc),
+                            decode_s=float(rng.uniform(0.3, 0.9)))
+             for i, acc in enumerate(rng.integers(0, 3, size=n).tolist() for n in rng.integers(1, 7, size=10))]
+    write(tmp_path / "completions-0.parquet", ar + chain)
+    only_chain = _summarize([tmp_path])
+    write(tmp_path / "completions-1.parquet", trees)
+    groups = _summarize([tmp_path])
+    assert all("tree" in g.key for g in groups)
+    by = {(g.key["mode"], g.key["k"], g.key["tree"]): g for g in groups}
+    assert set(by) == {("autoregressive", 0, "off"), ("speculative", 2, "off"), ("speculative", 2, "2x1")}
+    tree = by[("speculative", 2, "2x1")]
+    depths = [a for r in trees for a in r["accepted_per_loop"]]
+    assert tree.accepted_histogram == dict(Counter(depths))
+    assert tree.samples == len(trees) and sum(tree.accepted_histogram.values()) == len(depths)
+    assert tree.nodes_per_round == pytest.approx(4.0)
+    loops = np.array(depths)
+    assert tree.acceptance_rate == pytest.approx(loops.sum() / (4 * len(loops)))
+    assert tree.alpha == pytest.approx(loops.sum() / (loops.sum() + (loops < 2).sum()))
+    assert tree.acceptance_by_position == pytest.approx([(loops >= i).mean() for i in (1, 2)])
+    assert tree.predicted_speedup is None and tree.speedup is not None
+    assert tree.speedup.baseline["tree"] == "off"
+    [before] = [g for g in only_chain if g.key["mode"] == "speculative"]
+    after = by[("speculative", 2, "off")]
+    assert (after.accepted_histogram, after.alpha, after.samples) == (
+        before.accepted_histogram, before.alpha, before.samples)
+    assert after.nodes_per_round is None
+
+    text = report.render(groups)
+    section = text[text.index("Token trees"):].splitlines()
+    [line] = [s for s in section if "2x1" in s]
+    counts = " ".join(str(depths.count(d)) for d in range(3))
+    assert line.split()[-5:] == [str(len(depths)), "4.00", *counts.split()]
+    assert "Token trees" not in report.render(only_chain) and "tree" not in report.render(only_chain)
+    summary = run_summary(str(tmp_path)).text()
+    assert any(line.startswith("speculative") and " tree 2x1 " in line for line in summary.splitlines())
+    assert cli.main(["report", str(tmp_path), "--json"]) == 0
+    rows = {d["key"]["tree"]: d for d in json.loads(capsys.readouterr().out) if d["key"]["mode"] == "speculative"}
+    assert rows["2x1"]["accepted_histogram"] == {str(k): v for k, v in Counter(depths).items()}
+    figures = tmp_path_factory.mktemp("tree_plots")
+    assert cli.main(["report", str(tmp_path), "--plot", str(figures)]) == 0

@@ -148,3 +148,93 @@ def test_kv_cache_reaches_the_generator():
     assert {generator_spec(make(), s).kv_cache for s in make().settings} == {"auto"}
     cfg = make(dtype="bfloat16")
     assert {generator_spec(cfg, s).dtype for s in cfg.settings} == {"bfloat16"}
+
+
+TREE_YAML = """
+input: p.parquet
+output: out
+settings:
+  - {draft: none}
+  - {draft: ngram, k: 2, tree: [off, 2x1]}
+  - {draft: ngram, tree: 3}
+  - {draft: early-exit:1, tree: 2x01, k: 2}
+"""
+
+
+def test_tree_settings_expand_and_are_settings_of_their_own(tmp_path):
+    """`tree: [off, 2x1]` expands like a k list (YAML reads `off` as false, `3` as 3); a
+    tree's K is its depth, and its key and label differ from the chain's of the same K."""
+    path = tmp_path / "trees.yaml"
+    path.write_text(TREE_YAML)
+    cfg = runconfig.load(str(path))
+    assert [(s.draft, s.k, s.tree) for s in cfg.settings] == [
+        ("none", 0, "off"), ("ngram", 2, "off"), ("ngram", 2, "2x1"), ("ngram", 1, "3"),
+        ("early-exit:1", 2, "2x1")]
+    chain, tree = cfg.settings[1], cfg.settings[2]
+    assert chain.key == "ngram|2" and tree.key != chain.key and "2x1" in tree.key
+    assert tree.label == "ngram tree=2x1" and chain.label == "ngram K=2"
+    assert len({s.key for s in cfg.settings}) == len(cfg.settings)
+    assert (tree.span, chain.span, cfg.settings[3].span) == (4, 2, 3)
+
+
+def test_tree_changes_the_hash_and_a_chain_keeps_its_own():
+    chain = make(settings=[{"draft": "ngram", "k": 2}]).config_hash()
+    tree = make(settings=[{"draft": "ngram", "tree": "2x1"}]).config_hash()
+    other = make(settings=[{"draft": "ngram", "tree": "3x1"}]).config_hash()
+    assert len({chain, tree, other}) == 3
+    assert make(settings=[{"draft": "ngram", "k": 2, "tree": "off"}]).config_hash() == chain
+    assert make(settings=[{"draft": "ngram", "k": 2, "tree": False}]).config_hash() == chain
+
+
+@pytest.mark.parametrize("setting, words", [
+    ({"draft": "ngram", "k": "auto", "tree": "2x1"}, "k auto do not combine"),
+    ({"draft": "ngram", "k": ["auto"], "tree": ["off", "2x1"]}, "k auto do not combine"),
+    ({"draft": "ngram", "k": 3, "tree": "2x1"}, "depth 2, got k=3"),
+    ({"draft": "none", "tree": "2x1"}, "baseline"),
+    ({"draft": "ngram", "tree": "2y1"}, "widths per depth"),
+    ({"draft": "ngram", "tree": "0x1"}, "widths per depth"),
+    ({"draft": "ngram", "tree": True}, "widths per depth"),
+    ({"draft": "ngram", "tree": "8x8"}, "at most 64"),
+    ({"draft": "ngram", "tree": "2x2"}, "branches"),
+    ({"draft": "ngram", "tree": ["2x1", "2x1"]}, "twice"),
+])
+def test_tree_mistakes_are_one_user_error(setting, words):
+    with pytest.raises(UserError, match=words) as error:
+        make(settings=[setting])
+    assert str(error.value).count("test.yaml") == 1 and "\n" not in str(error.value)
+
+
+def test_tree_needs_a_drafter_that_drafts_trees(tmp_path, monkeypatch):
+    """A hybrid drafts no trees (the generator refuses it when it loads); the config refuses
+    it up front, also where `draft: auto` resolves to one."""
+    from specsamp.decoding import drafts
+
+    (tmp_path / "feature").mkdir()
+    hybrid = f"ngram+{tmp_path / 'feature'}"
+    with pytest.raises(UserError, match="drafter that drafts trees.*does not"):
+        make(settings=[{"draft": hybrid, "tree": "2x1"}])
+    monkeypatch.setattr(drafts, "default_draft", lambda target: hybrid)
+    with pytest.raises(UserError, match=r"drafter auto \(ngram\+"):
+        make(settings=[{"draft": "auto", "tree": "2x1"}])
+    monkeypatch.setattr(drafts, "default_draft", lambda target: "ngram")
+    assert make(settings=[{"draft": "auto", "tree": "2x1"}]).settings[0].tree == "2x1"
+
+
+def test_tree_drafts_are_the_drafters_that_draft_trees():
+    """TREE_DRAFTS (what a config accepts) names the drafter kinds with propose_tree."""
+    from specsamp.decoding.config import TREE_DRAFTS
+    from specsamp.decoding.drafters import FeatureDrafter, ModelDrafter
+    from specsamp.decoding.lookup import HybridDrafter, NgramDrafter
+
+    assert set(TREE_DRAFTS) == {"model", "early-exit", "ngram"}
+    assert all(hasattr(c, "propose_tree") for c in (ModelDrafter, FeatureDrafter, NgramDrafter))
+    assert not hasattr(HybridDrafter, "propose_tree")
+
+
+def test_tree_reaches_the_generator():
+    from pipelines.handler import generator_spec
+
+    cfg = make(settings=[{"draft": "none"}, {"draft": "ngram", "k": 2}, {"draft": "ngram", "tree": "3x1"}])
+    specs = [generator_spec(cfg, s) for s in cfg.settings]
+    assert [s.tree for s in specs] == ["off", "off", "3x1"]
+    assert specs[2].draft_tree.size == 6 and specs[2].draft_k.table == cfg.settings[2].k == 2

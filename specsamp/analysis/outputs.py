@@ -27,7 +27,7 @@ from specsamp.errors import UserError
 from specsamp.fs import filesystem, glob, join
 
 COMPLETIONS_GLOB = "completions-*.parquet"
-ROW_KEY = ("id", "draft", "k", "config_hash")
+ROW_KEY = ("id", "draft", "k", "tree", "config_hash")
 ERRORS_GLOB = "errors-*.parquet"
 
 

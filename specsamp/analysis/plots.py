@@ -12,7 +12,8 @@ A series is one dataset and sampling setting (the grouping keys other than mode,
 draft); figures 2 and 3 are drawn once per series, with a suffix when there are several.
 Settings with `k: auto` (K chosen each round, no one K to put on an axis) are dotted
 horizontal lines in the first figure, beside the baseline's, and are left out of the other
-two.
+two. Token tree settings are left out of all three (a tree's depth is not a chain's K; the
+text report gives their accepted depths).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _series(groups: list[report.Group]) -> dict:
     `k: auto` groups)}."""
     out: dict = {}
     for g in groups:
+        if g.tree != "off":
+            continue
         entry = out.setdefault(report.baseline_key(g.key), [None, [], []])
         if g.key.get("mode") == "autoregressive" and g.samples:
             entry[0] = g

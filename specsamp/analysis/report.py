@@ -27,6 +27,14 @@ groups and applies two formulas:
   (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), with K the group's draft length and c its
   mean cost_ratio (draft step time / target step time).
 
+- Token trees (a setting with `tree` other than 'off'): a tree round scores its N nodes
+  (drafted_per_loop) and keeps a path of 0..D of them (accepted_per_loop, D the depth, the
+  k column). Such groups also get the histogram of the accepted depth per round and the
+  mean nodes scored per round; alpha and the acceptance by position count a round's D
+  levels (a round with fewer than D kept has one rejection), and the chain cost model's
+  prediction is n/a. Tree and chain rows never share a group: when the tables hold tree
+  rows, `tree` joins the grouping keys.
+
 Percentiles are linear interpolation (numpy's default). A group of one sample has its
 value as every percentile, and sd and intervals n/a.
 """
@@ -41,12 +49,12 @@ from specsamp.errors import UserError
 from specsamp.runconfig import k_label
 
 GROUP_KEYS = (
-    "dataset", "mode", "target", "draft", "k", "temperature", "top_k", "top_p",
+    "dataset", "mode", "target", "draft", "k", "tree", "temperature", "top_k", "top_p",
     "run_id", "config_hash", "worker_host", "device_kind",
 )
 DEFAULT_BY = ("dataset", "mode", "k", "temperature")
 # A speculative group and its autoregressive baseline differ only in these keys.
-_BASELINE_FREE = ("mode", "k", "draft")
+_BASELINE_FREE = ("mode", "k", "draft", "tree")
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 Z95 = 1.959964
 
@@ -97,6 +105,7 @@ class Group:
     tokens_per_call: float | None = None
     cost_ratio: float | None = None
     k: int | None = None
+    nodes_per_round: float | None = None  # tree groups: mean drafted_per_loop (nodes scored)
     acceptance_by_position: list = dataclasses.field(default_factory=list)
     accepted_histogram: dict = dataclasses.field(default_factory=dict)
     errors: dict = dataclasses.field(default_factory=dict)
@@ -106,6 +115,22 @@ class Group:
     @property
     def speculative(self) -> bool:
         return bool(self.k) or self.key.get("mode") == "speculative"
+
+    @property
+    def tree(self) -> str:
+        """The group's token tree ('off': chains; groups of tree rows always have the key)."""
+        return self.key.get("tree") or "off"
+
+
+def with_tree(con, by) -> tuple[str, ...]:
+    """`by`, plus `tree` when the tables hold rows of a token tree: a tree round's counts
+    (nodes scored, accepted depth) must not pool with a chain's."""
+    by = tuple(by)
+    if "tree" in by:
+        return by
+    sql = ("SELECT count(*) FROM (SELECT tree FROM completions UNION ALL SELECT tree FROM errors) "
+           "WHERE tree <> 'off'")
+    return by + ("tree",) if con.execute(sql).fetchone()[0] else by
 
 
 def sql_columns(by) -> str:
@@ -150,14 +175,17 @@ def _group_rows(con, by) -> list[Group]:
 
 
 def _loops_sql(by) -> str:
-    """One row per speculative loop: the group keys, the loop's K and its accepted count."""
-    return (f"SELECT {sql_columns(by)}, unnest(drafted_per_loop) AS _k, unnest(accepted_per_loop) AS _a "
-            f"FROM completions")
+    """One row per speculative loop: the group keys, the draft positions it tested (_k: its
+    K; a tree round's depth), its accepted count (_a) and the draft tokens it scored (_n:
+    K, or a tree's nodes)."""
+    return (f"SELECT {sql_columns(by)}, CASE WHEN tree = 'off' THEN _n ELSE k END AS _k, _a, _n "
+            f"FROM (SELECT *, unnest(drafted_per_loop) AS _n, unnest(accepted_per_loop) AS _a "
+            f"FROM completions)")
 
 
 def _attach_loops(con, by, groups: dict) -> None:
     """alpha; the chance that draft position i is kept (accepted >= i) over loops that
-    drafted i; and the histogram of accepted tokens per loop."""
+    drafted i; the histogram of accepted tokens per loop; a tree's mean nodes per round."""
     sql = (f"SELECT {sql_columns(by)}, sum(_a), sum(CASE WHEN _a < _k THEN 1 ELSE 0 END) "
            f"FROM ({_loops_sql(by)}) GROUP BY ALL")
     for row in con.execute(sql).fetchall():
@@ -173,6 +201,11 @@ def _attach_loops(con, by, groups: dict) -> None:
     sql = f"SELECT {sql_columns(by)}, _a, count(*) FROM ({_loops_sql(by)}) GROUP BY ALL ORDER BY ALL"
     for row in con.execute(sql).fetchall():
         groups[tuple(row[: len(by)])].accepted_histogram[int(row[-2])] = int(row[-1])
+    if "tree" in by:
+        sql = (f"SELECT {sql_columns(by)}, avg(_n) FROM ({_loops_sql(by)}) WHERE tree <> 'off' "
+               f"GROUP BY ALL")
+        for row in con.execute(sql).fetchall():
+            groups[tuple(row[: len(by)])].nodes_per_round = _num(row[-1])
 
 
 def _attach_errors(con, by, groups: dict) -> None:
@@ -252,8 +285,8 @@ def baseline_key(key: dict) -> tuple:
 
 
 def _attach_speedups(groups: list[Group], pairs: dict | None = None) -> None:
-    for g in groups:
-        g.predicted_speedup = predicted_speedup(g.alpha, g.k, g.cost_ratio)
+    for g in groups:  # the chain cost model does not model a tree's round
+        g.predicted_speedup = predicted_speedup(g.alpha, g.k, g.cost_ratio) if g.tree == "off" else None
     if not groups or "mode" not in groups[0].key:
         return  # modes are mixed inside each group: no baseline to compare with
     baselines = {baseline_key(g.key): g for g in groups
@@ -269,7 +302,9 @@ def _attach_speedups(groups: list[Group], pairs: dict | None = None) -> None:
 
 
 def summarize(con, by=DEFAULT_BY) -> list[Group]:
-    """One Group per distinct value of the `by` keys, completions and errors together."""
+    """One Group per distinct value of the `by` keys (and `tree`, `with_tree`), completions
+    and errors together."""
+    by = with_tree(con, by)
     groups = {tuple(g.key.values()): g for g in _group_rows(con, by)}
     _attach_loops(con, by, groups)
     _attach_errors(con, by, groups)
@@ -351,8 +386,16 @@ def _spec_rows(groups: list[Group]) -> list[list[str]]:
     ] for g in groups if g.speculative]
 
 
+def _tree_rows(groups: list[Group]) -> list[list[str]]:
+    return [key_cells(g.key) + [
+        str(sum(g.accepted_histogram.values())), fmt(g.nodes_per_round, ".2f"),
+        " ".join(str(g.accepted_histogram.get(d, 0))
+                 for d in range(max([g.k or 0, *g.accepted_histogram]) + 1)),
+    ] for g in groups if g.speculative and g.tree != "off"]
+
+
 def render(groups: list[Group]) -> str:
-    """The terminal report: latency for every group, then speculation, then errors."""
+    """The terminal report: latency for every group, then speculation, token trees, errors."""
     if not groups:
         return "no rows"
     keys = list(groups[0].key)
@@ -367,6 +410,11 @@ def render(groups: list[Group]) -> str:
                                        "kept by draft position 1..K"], spec)]
         if "mode" not in keys:
             parts.append("(speed-up needs 'mode' among the --by keys)")
+    trees = _tree_rows(groups)
+    if trees:
+        parts += ["", "Token trees (rounds; nodes scored per round, mean; rounds that accepted "
+                      "0, 1, .., depth draft tokens)",
+                  format_table(keys + ["rounds", "nodes/round", "accepted depth 0..D"], trees)]
     failed = [g for g in groups if g.errors]
     if failed:
         parts += ["", "Errors by kind"]

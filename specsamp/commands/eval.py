@@ -50,8 +50,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    by = report.parse_by(args.by)
     con = outputs.connect(outputs.resolve(args.tables))
+    by = report.with_tree(con, report.parse_by(args.by))
     try:
         groups, isolation = evaluation.score_tables(con, by, Limits(timeout_s=args.timeout), args.workers,
                                                     unsafe=args.unsafe_host_execution)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.acceptance import accept_batch, accept_greedy
-from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.config import SamplingParams, no_tree_drafter
 from specsamp.decoding.drafters import Drafter
 from specsamp.decoding.tree import Tree
 from specsamp.decoding.tree_draft import check_level_order
@@ -53,8 +53,7 @@ class Program:
             return
         if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
             kind = "no drafter" if self.drafter is None else f"drafter {self.drafter.kind!r}"
-            raise UserError(f"token trees need a drafter that drafts trees (a draft model, "
-                            f"early exit, feature draft or ngram); {kind} does not")
+            raise UserError(no_tree_drafter(kind))
         check_level_order(self.tree)
         getattr(self.drafter, "check_tree", lambda tree: None)(self.tree)
         if self.drafter.k != self.tree.max_depth:

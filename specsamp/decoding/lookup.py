@@ -63,7 +63,8 @@ class NgramDrafter:
         return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
                         state.draft, found)
 
-    def check_tree(self, tree: Tree) -> None:
+    @staticmethod
+    def check_tree(tree: Tree) -> None:
         """Lookup drafts trees of branches: each child of the root starts a chain (widths
         W x 1 x 1 ...), one match a branch."""
         if np.any((tree.children[1:] >= 0).sum(axis=1) > 1):
