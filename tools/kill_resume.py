@@ -30,7 +30,8 @@ import time
 import pyarrow.parquet as pq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COLUMNS = ["id", "draft", "k", "completion_token_ids", "completion"]
+KEY = ["id", "draft", "k", "tree"]  # pipelines.commit.row_key's columns
+COLUMNS = KEY + ["completion_token_ids", "completion"]
 
 
 def main() -> int:
@@ -113,7 +114,7 @@ def _finish(args: list[str]) -> None:
         raise SystemExit(f"specsamp run {' '.join(args)} failed with {proc.returncode}")
 
 
-def _rows(out: str, table: str, columns=("id", "draft", "k")) -> list[dict]:
+def _rows(out: str, table: str, columns=tuple(KEY)) -> list[dict]:
     if not os.path.isdir(out):
         return []
     paths = sorted(os.path.join(out, n) for n in os.listdir(out) if n.startswith(f"{table}-") and n.endswith(".parquet"))
@@ -134,7 +135,7 @@ def _wait_for_more(proc: subprocess.Popen, out: str, before: int) -> bool:
 
 def _compare(ref: str, out: str, kills: int) -> int:
     def keyed(rows):
-        return [((r["id"], r["draft"], r["k"]), (tuple(r.get("completion_token_ids") or ()), r.get("completion")))
+        return [(tuple(r[c] for c in KEY), (tuple(r.get("completion_token_ids") or ()), r.get("completion")))
                 for r in rows]
 
     want = keyed(_rows(ref, "completions", COLUMNS)) + keyed(_rows(ref, "errors"))
