@@ -157,18 +157,19 @@ def test_no_tree_where_plain_rounds_win():
 # -- chains and trees on one state -----------------------------------------------------
 
 class _Shapes:
-    """A policy that walks through the engine's shapes in turn (chains, trees, plain)."""
+    """A policy that walks through the engine's shapes in turn (chains, trees, plain), or
+    through the indices `order` over and over."""
 
-    def __init__(self, n):
-        self.n, self.i, self.seen = n, -1, []
+    def __init__(self, n, order=None):
+        self.order, self.i, self.seen = list(order or range(n)), -1, []
 
     def __call__(self, accepted, tested, depth, branches=None):
         assert np.all(accepted <= tested) and branches is not None
         kept, tried = branches
         assert np.all(kept <= tried)
-        self.i = (self.i + 1) % self.n
-        self.seen.append(self.i)
-        return self.i
+        self.i = (self.i + 1) % len(self.order)
+        self.seen.append(self.order[self.i])
+        return self.order[self.i]
 
 
 def _tree_auto(engine: Engine, ks, trees, policy) -> Engine:
@@ -248,23 +249,25 @@ def test_n_gram_tree_auto_shapes_are_branches():
 
 # -- sampling --------------------------------------------------------------------------
 
-def _switching_counts(n: int = 6000):
+def _switching_counts(trees, n: int = 12000):
+    """Counts of the first three tokens, shapes switched every round, the two trees on
+    most rounds (a width of 4 or more, for the control to show)."""
     sp = SamplingParams(1.0)
-    trees = (Tree.full((2, 1)), Tree.full((2, 2)))
-    eng = _tree_auto(make_engine(sp, "feature", 3, max_new=N_TOKENS), (0, 1, 3), trees, _Shapes(5))
+    policy = _Shapes(5, order=[3, 0, 4, 3, 1, 4, 3, 2])
+    eng = _tree_auto(make_engine(sp, "model", 3, max_new=N_TOKENS), (0, 1, 3), trees, policy)
     counts = np.zeros((tiny.TARGET.vocab_size,) * N_TOKENS)
     for r in eng.run([PROMPT] * n, list(range(n)), batching=Continuous(64, chunk_rounds=1)):
         counts[tuple(r.token_ids[:N_TOKENS])] += 1
-    assert set(eng.k_rounds) == {0, 1, 3, "2x1", "2x2"}
+    assert set(eng.k_rounds) == {0, 1, 3} | {"x".join(map(str, tree_widths(t))) for t in trees}
     return counts, sp
 
 
 @pytest.mark.slow
 def test_switching_chains_and_trees_samples_exactly():
-    """Shapes switched every round (chains, trees, plain) under sampling, the feature
-    draft whose cache and features must survive every switch: the joint law of the first
-    three tokens is the target's (chi-square)."""
-    counts, sp = _switching_counts()
+    """Shapes switched every round (chains, trees, plain) under sampling, a draft model
+    whose cache must survive every switch: the joint law of the first three tokens is the
+    target's (chi-square)."""
+    counts, sp = _switching_counts((Tree.full((4, 1)), Tree.full((2, 2))))
     assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
 
 
@@ -280,5 +283,40 @@ def test_the_switching_check_fails_children_misdescribed(monkeypatch):
         return tokens, _CHOOSE(logits, sampling, keys, width)[1]
 
     monkeypatch.setattr(tree_draft, "_choose", top_w)
-    counts, sp = _switching_counts()
+    # shapes only this test compiles (a compiled program keeps the `_choose` it was traced with)
+    counts, sp = _switching_counts((Tree.full((5, 1)), Tree.full((3, 2))))
     assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
+
+
+# -- the command line ------------------------------------------------------------------
+
+TREE_AUTO_CLI_CASES = [
+    (["generate", "--prompt", "hi", "--tree", "auto", "--draft", "none"], "--tree auto needs a drafter"),
+    (["bench", "--tree", "auto"], "--tree auto needs --throughput"),
+    (["bench", "--throughput", "--tree", "auto,2x1"], "takes only 'auto'"),
+]
+
+
+@pytest.mark.parametrize("args,message", TREE_AUTO_CLI_CASES)
+def test_bad_tree_auto_arguments_are_one_line(args, message, tmp_path):
+    from tests.test_cli import test_bad_arguments_are_one_line
+
+    test_bad_arguments_are_one_line(args, message, tmp_path)
+
+
+@pytest.mark.slow
+def test_generate_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
+    """`generate --tree auto`: k auto (-1) and tree 'auto' as in the tables, and the summary
+    names the shapes that ran (the policy explores each tree once where drafting pays)."""
+    import json
+
+    from specsamp.testing import make_tiny_checkpoint
+    from tests.test_cli import _cli
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    args = ["generate", "--prompt", "the quick", "--target", target, "--max-new-tokens", "12",
+            "--draft", "early-exit:1", "--tree", "auto"]
+    text = _cli(args, tmp_path)  # measures the cost curve, then reads it from disk below
+    assert text.returncode == 0 and "tree auto (rounds by shape, a K or a tree: " in text.stderr, text.stderr
+    obj = json.loads(_cli(args + ["--json"], tmp_path).stdout)
+    assert obj["tree"] == "auto" and obj["k"] == -1

@@ -93,8 +93,8 @@ def run(args) -> int:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.throughput:
         if args.tree not in ([], ["auto"]):
-            raise UserError("with --throughput, --tree takes only 'auto' (fixed trees are for the "
-                            "latency bench, batch 1)")
+            raise UserError("--tree is for the latency bench (batch 1); with --throughput it takes "
+                            "only 'auto'")
         return run_throughput_command(args)
     if "auto" in args.tree:
         raise UserError("--tree auto needs --throughput (the latency bench runs fixed shapes at batch 1)")

@@ -221,7 +221,7 @@ class Generator:
     def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
         ids = [self.encode_prompt(p) for p in prompts]
         eng, batch = self.engine, self.spec.batch_size
-        if eng.policy is None and len(eng.k.ks) > 1:
+        if eng.policy is None and len(eng.k.shapes) > 1:
             eng.policy = auto_policy(eng, batch, ids)
         # Chunks of 16 rounds at most for stop strings, and under a K policy so that it
         # re-decides K as acceptance estimates move.

@@ -25,9 +25,9 @@ counts as no better than one child, so each tree shape runs one chunk early on (
 for its estimate to move. A row's own rate scales them as it scales a chain's. A tree
 runs only where predicted faster than the best chain by `tree_margin`.
 
-Exactness: every round is exact whatever K or tree it runs at, and K is chosen from the past only,
-so samples follow the target's distribution (checked by chi-square in the tests); greedy
-output is the same token for token. A sampled row's tokens for a given seed, however, depend
+Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
+from the past only, so samples follow the target's distribution (checked by chi-square in
+the tests); greedy output is the same token for token. A sampled row's tokens for a given seed, however, depend
 on the K schedule, hence on its batch: with a fixed K they do not.
 """
 
@@ -40,9 +40,9 @@ import numpy as np
 
 from specsamp.decoding.config import shape_key, tree_text
 from specsamp.decoding.costs import CostCurve, cost_curve
-from specsamp.decoding.tree import Tree
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
+from specsamp.decoding.tree import Tree
 
 
 def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,13 +146,10 @@ class KPolicy:
         """Each draft position's rate given the ones before it, over the rate of all tested
         positions together (what a row's alpha estimates), from the pooled (accepted,
         tested) by position (one entry per position up to max(ks)); a position no round
-        tested yet is taken at the first one's."""
+        tested yet is taken at the first one's (`branch_rates` at width 1)."""
         accepted, tested = (np.asarray(a, float) for a in depth)
         overall = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
-        first = (accepted[0] + 1.0) / (tested[0] + 2.0)
-        rate = (accepted + self.depth_weight * first) / (tested + self.depth_weight)
-        rate[0] = first
-        return rate / overall
+        return branch_rates(accepted[:, None], tested[:, None], self.depth_weight)[:, 0] / overall
 
     def tree_rates(self, depth, branches) -> np.ndarray:
         """s_d(w) [D, W] (`branch_rates`) over the rate of all tested depths together
