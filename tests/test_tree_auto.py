@@ -247,6 +247,21 @@ def test_n_gram_tree_auto_shapes_are_branches():
         trees_for(hybrid, AUTO_TREES)
 
 
+def test_generator_spec_tree_auto(tmp_path):
+    """`GeneratorSpec(tree='auto')`: k auto with the trees (whatever k says); no drafter or
+    a hybrid is one UserError."""
+    from specsamp.decoding.config import TREE_AUTO
+    from specsamp.decoding.generator import GeneratorSpec
+
+    spec = GeneratorSpec(draft="ngram", k=2, tree="auto")
+    assert (spec.k, spec.draft_k, spec.draft_tree, spec.continuous) == ("auto", TREE_AUTO, None, True)
+    with pytest.raises(UserError, match="needs a drafter"):
+        GeneratorSpec(draft="none", tree="auto")
+    (tmp_path / "feature").mkdir()
+    with pytest.raises(UserError, match="drafts trees"):
+        GeneratorSpec(draft=f"ngram+{tmp_path / 'feature'}", tree="auto")
+
+
 # -- sampling --------------------------------------------------------------------------
 
 def _switching_counts(trees, n: int = 12000):

@@ -41,7 +41,7 @@ from specsamp.models import Model
 # k.ks, then its k.trees): accepted and tested draft tokens of each running row so far,
 # the engine's (accepted, tested) by draft position of its chain rounds, and, where it has
 # trees, of its tree rounds by (depth, width) (`specsamp.decoding.kpolicy.KPolicy`).
-PolicyFn = Callable[[np.ndarray, np.ndarray, tuple], int]
+PolicyFn = Callable[..., int]
 
 
 @dataclasses.dataclass
@@ -74,15 +74,15 @@ class Engine:
         self.k_rounds = collections.Counter()
         self.slot_rounds = collections.Counter()
         self.depth = (np.zeros(max(self.k.largest, 1)), np.zeros(max(self.k.largest, 1)))
-        widest = max((t.children.shape[1] for t in self.k.trees), default=1)
-        self.branches = (np.zeros((max(self.k.largest, 1), widest)), np.zeros((max(self.k.largest, 1), widest)))
+        table = (max(self.k.largest, 1), max((t.children.shape[1] for t in self.k.trees), default=1))
+        self.branches = (np.zeros(table), np.zeros(table))
         self.prefill_s = self.decode_s = 0.0
 
     # -- sizes ---------------------------------------------------------------------------
 
     @property
     def max_prompt_tokens(self) -> int:
-        return self.prog.target.max_seq_len - self.max_new_tokens - self.prog.span - 2
+        return self.prog.target.max_seq_len - self.max_new_tokens - max(self.k.span, self.prog.span) - 2
 
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
         """Cache slots per row for a run of `prompts` (one size for every slot)."""
