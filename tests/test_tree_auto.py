@@ -29,6 +29,11 @@ from tests.test_exactness import ALPHA, N_TOKENS, PROMPT, chi_square_pvalue, exa
 KS = (0, 1, 2, 3)
 
 
+def _tree_auto(engine: Engine, ks, trees, policy) -> Engine:
+    """`engine` with its own statistics, at the K values ks and the trees, chosen by `policy`."""
+    return dataclasses.replace(engine, k=KChoice(tuple(ks), auto=True, trees=tuple(trees)), policy=policy)
+
+
 # -- the estimator ---------------------------------------------------------------------
 
 def _walk_law(widths, q, p):
@@ -154,6 +159,38 @@ def test_no_tree_where_plain_rounds_win():
     assert not policy.explored
 
 
+def test_tree_rounds_are_timed_and_keyed_by_their_shapes(tmp_path, monkeypatch):
+    """The cost curve times each tree's own round program (the program with that tree, at
+    K = its depth) beside the chains', keys it by the tree's widths, and caches it under a
+    key that names the shapes: other trees, or none, are measured afresh."""
+    from specsamp.decoding import costs
+
+    monkeypatch.setenv("SPECSAMP_CACHE", str(tmp_path))
+    eng = _tree_auto(make_engine(SamplingParams(0.0), "model", 2), (0, 2), (T21,), None)
+    seen = []
+    real = costs.shape_program
+
+    def spy(prog, shape):
+        prog, k = real(prog, shape)
+        seen.append((prog.tree, k))
+        return prog, k
+
+    monkeypatch.setattr(costs, "shape_program", spy)
+    curve = costs.cost_curve(eng, 2, slots=128, width=16, repeats=1)
+    assert sorted(curve.rounds, key=str) == [0, 2, "2x1"] and all(s > 0 for s in curve.rounds.values())
+    assert seen == [(None, 0), (None, 2), (T21, 2)]
+    assert costs.cost_curve(eng, 2, slots=128, width=16) == curve  # read back, "2x1" a str key
+    assert len(seen) == 3
+
+    def no_timing(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(costs, "time_rounds", no_timing)
+    for trees in ((), (Tree.full((3, 1)),)):
+        with pytest.raises(AssertionError, match="measured again"):
+            costs.cost_curve(_tree_auto(eng, (0, 2), trees, None), 2, slots=128, width=16)
+
+
 # -- chains and trees on one state -----------------------------------------------------
 
 class _Shapes:
@@ -170,10 +207,6 @@ class _Shapes:
         self.i = (self.i + 1) % len(self.order)
         self.seen.append(self.order[self.i])
         return self.order[self.i]
-
-
-def _tree_auto(engine: Engine, ks, trees, policy) -> Engine:
-    return dataclasses.replace(engine, k=KChoice(tuple(ks), auto=True, trees=tuple(trees)), policy=policy)
 
 
 def test_a_chain_after_a_tree_finds_the_draft_cache_in_place():
