@@ -368,3 +368,27 @@ def test_generate_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
     assert text.returncode == 0 and "tree auto (rounds by shape, a K or a tree: " in text.stderr, text.stderr
     obj = json.loads(_cli(args + ["--json"], tmp_path).stdout)
     assert obj["tree"] == "auto" and obj["k"] == -1
+
+
+@pytest.mark.slow
+def test_bench_throughput_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
+    """`bench --throughput --tree auto` adds a setting of K `tree-auto` (the generator that
+    `--tree auto` builds: n-gram lookup, so trees of branches) beside the K values asked
+    for, with its rounds per shape; it generates what the baseline does (greedy)."""
+    import json
+
+    from specsamp.testing import make_tiny_checkpoint
+    from tests.test_cli import _cli
+
+    target = make_tiny_checkpoint(str(tmp_path / "target"), n_layers=2)
+    out = _cli(["bench", "--throughput", "--tree", "auto", "--k", "2", "--batch-size", "2",
+                "--batching", "continuous", "--target", target, "--draft", "ngram", "--prompt",
+                "one two one two one", "--prompt", "the quick brown fox", "--max-new-tokens", "12",
+                "--json"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = {r["k"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == {0, 2, "tree-auto"}
+    tree = rows["tree-auto"]
+    assert tree["generated_tokens"] == rows[0]["generated_tokens"]
+    assert sum(tree["k_rounds"].values()) == tree["rounds"] > 0
+    assert set(tree["k_rounds"]) <= {"0", "1", "2", "4", "2x1", "2x1x1", "3x1"}
