@@ -18,7 +18,7 @@ import json
 import os
 
 from specsamp.decoding.config import (
-    AUTO_K, DRAFT_FORMS, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
+    AUTO_K, DRAFT_FORMS, TREE_AUTO, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
 )
 from specsamp.errors import UserError
 
@@ -38,11 +38,12 @@ def k_label(k: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One generation setting: a drafter and its K (`draft: none` is the baseline), or a
-    drafter and a token tree (`tree: 2x1`; k is then the tree's depth)."""
+    drafter and a token tree (`tree: 2x1`; k is then the tree's depth), or `tree: auto`
+    (k auto: the K policy weighs small trees beside the chains, `config.AUTO_TREES`)."""
 
     draft: str = "none"
     k: int = 0  # K_AUTO (-1): `k: auto`, the batch-aware policy (also in output tables' k column)
-    tree: str = "off"  # 'off' (chains of k) or widths per depth (`decoding.config.parse_tree`)
+    tree: str = "off"  # 'off' (chains of k), widths per depth (`decoding.config.parse_tree`) or 'auto'
 
     @property
     def mode(self) -> str:
@@ -64,6 +65,8 @@ class Setting:
     @property
     def span(self) -> int:
         """The most draft tokens one round scores: the tree's nodes, else K (0: none)."""
+        if self.tree == "auto":
+            return TREE_AUTO.span
         tree = parse_tree(self.tree)
         return tree.size if tree is not None else max(self.k, 0)
 
@@ -238,9 +241,15 @@ def _check_setting(draft, k, where: str) -> Setting:
 
 
 def _check_tree_setting(draft, tree: str, k, where: str) -> Setting:
-    """A tree setting: K is the tree's depth; a k given must be that depth (never auto)."""
+    """A tree setting: K is the tree's depth; a k given must be that depth (never auto).
+    `tree: auto`: k is auto (left out or given as auto)."""
     if draft == "none":
         raise UserError(f"{where}: the baseline (draft: none) takes no tree, got tree={tree!r}")
+    if tree == "auto":
+        if any(given not in (None, "auto") for given in (k if isinstance(k, list) else [k])):
+            raise UserError(f"{where}: tree auto picks K itself (k auto): leave k out or give "
+                            f"k: auto (draft {draft}), got k={k!r}")
+        return dataclasses.replace(_check_setting(draft, "auto", where), tree="auto")
     try:
         parsed = parse_tree(tree)
     except UserError as e:
@@ -268,7 +277,7 @@ def _check_tree_drafter(setting: Setting, target: str | None, where: str) -> Non
     shown = setting.draft if draft == setting.draft else f"{setting.draft} ({draft})"
     if kind not in TREE_DRAFTS:
         raise UserError(f"{where}: tree {setting.tree}: {no_tree_drafter(f'drafter {shown}')}")
-    if kind == "ngram":
+    if kind == "ngram" and setting.tree != "auto":  # auto: the trees of branches only
         from specsamp.decoding.lookup import NgramDrafter
 
         try:

@@ -197,11 +197,30 @@ def test_tree_changes_the_hash_and_a_chain_keeps_its_own():
     ({"draft": "ngram", "tree": "8x8"}, "at most 64"),
     ({"draft": "ngram", "tree": "2x2"}, "branches"),
     ({"draft": "ngram", "tree": ["2x1", "2x1"]}, "twice"),
+    ({"draft": "ngram", "tree": "auto", "k": 2}, "tree auto picks K"),
+    ({"draft": "none", "tree": "auto"}, "baseline"),
+    ({"draft": "ngram", "tree": ["auto", "auto"]}, "twice"),
 ])
 def test_tree_mistakes_are_one_user_error(setting, words):
     with pytest.raises(UserError, match=words) as error:
         make(settings=[setting])
     assert str(error.value).count("test.yaml") == 1 and "\n" not in str(error.value)
+
+
+def test_tree_auto_is_a_k_auto_setting_of_its_own():
+    """`tree: auto` (k left out or auto): the K policy with trees, k -1 (auto) in the
+    tables, tree 'auto', keyed apart from `k: auto`; n-gram takes it (branches only); the
+    generator spec it makes is tree auto."""
+    from pipelines.handler import generator_spec
+
+    cfg = make(settings=[{"draft": "ngram", "k": "auto"}, {"draft": "ngram", "tree": "auto"},
+                         {"draft": "early-exit:1", "k": "auto", "tree": "auto"}])
+    chain, tree, early = cfg.settings
+    assert (tree.k, tree.tree) == (runconfig.K_AUTO, "auto") == (early.k, early.tree)
+    assert tree.key == "ngram|auto|auto" != chain.key and tree.label == "ngram tree=auto"
+    assert tree.span == 6
+    spec = generator_spec(cfg, tree)
+    assert (spec.k, spec.tree, spec.draft_k.auto, len(spec.draft_k.trees)) == ("auto", "auto", True, 4)
 
 
 def test_tree_needs_a_drafter_that_drafts_trees(tmp_path, monkeypatch):
@@ -213,6 +232,8 @@ def test_tree_needs_a_drafter_that_drafts_trees(tmp_path, monkeypatch):
     hybrid = f"ngram+{tmp_path / 'feature'}"
     with pytest.raises(UserError, match="drafter that drafts trees.*does not"):
         make(settings=[{"draft": hybrid, "tree": "2x1"}])
+    with pytest.raises(UserError, match="drafter that drafts trees.*does not"):
+        make(settings=[{"draft": hybrid, "tree": "auto"}])
     monkeypatch.setattr(drafts, "default_draft", lambda target: hybrid)
     with pytest.raises(UserError, match=r"drafter auto \(ngram\+"):
         make(settings=[{"draft": "auto", "tree": "2x1"}])

@@ -45,6 +45,7 @@ from specsamp.decoding.engine import Continuous, Static
 from specsamp.decoding.kpolicy import auto_policy
 
 AUTO = "auto"
+TREE_AUTO = "tree-auto"  # `--tree auto`: K auto with the policy's tree shapes beside the chains
 
 
 @dataclasses.dataclass
@@ -66,10 +67,10 @@ class _Setting:
 
     def __init__(self, engine, prompts: Sequence[Sequence[int]], batch: int, batching: str, k):
         self.engine, self.prompts, self.m = engine, prompts, Measure()
-        chunk = 16 if k == AUTO else 1 << 30
+        chunk = 16 if k in (AUTO, TREE_AUTO) else 1 << 30
         self.batching = (Continuous(batch, chunk_rounds=chunk) if batching == "continuous"
                          else Static(chunk_rounds=chunk))
-        if engine.policy is None and len(engine.k.ks) > 1:
+        if engine.policy is None and len(engine.k.shapes) > 1:
             engine.policy = auto_policy(engine, batch, prompts)
 
     def feed(self, group: Sequence[int]) -> Iterator[None]:
@@ -128,7 +129,7 @@ def run_throughput(
     load: Callable,  # (draft, k) -> Generator
     prompts: Sequence[str],
     drafter: str,
-    ks: Sequence,  # ints and/or "auto"
+    ks: Sequence,  # ints and/or "auto", "tree-auto"
     batch_sizes: Sequence[int],
     batchings: Sequence[str] = ("static", "continuous"),
     log: Callable[[str], None] = lambda s: None,

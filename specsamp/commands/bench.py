@@ -30,7 +30,9 @@ def register(sub) -> None:
                         "(default 4,auto)")
     p.add_argument("--tree", type=_list(str), default=[],
                    help="token trees to bench beside the K chains, widths per depth, e.g. "
-                        "3x1x1,2x2 (a draft model or early-exit:L; not with --throughput)")
+                        "3x1x1,2x2 (a draft model or early-exit:L; not with --throughput); with "
+                        "--throughput only 'auto': a setting whose K policy weighs small trees "
+                        "beside the chains (K column tree-auto)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=_list(float), default=[1.0], help="e.g. 1,0.8")
@@ -90,9 +92,12 @@ def run(args) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.throughput:
-        if args.tree:
-            raise UserError("--tree is for the latency bench (batch 1); leave it out with --throughput")
+        if args.tree not in ([], ["auto"]):
+            raise UserError("--tree is for the latency bench (batch 1); with --throughput it takes "
+                            "only 'auto'")
         return run_throughput_command(args)
+    if "auto" in args.tree:
+        raise UserError("--tree auto needs --throughput (the latency bench runs fixed shapes at batch 1)")
     args.repeats = 3 if args.repeats is None else args.repeats
     args.k = args.k or [2, 4]
     args.limit = 8 if args.limit is None else args.limit
@@ -157,10 +162,12 @@ def run_throughput_command(args) -> int:
     from specsamp.decoding.config import SamplingParams, check_k
     from specsamp.decoding.generator import GeneratorSpec, load_generator
 
-    ks = args.k or [4, "auto"]
+    from specsamp.analysis.throughput import TREE_AUTO
+
+    ks = (args.k or [4, "auto"]) + ([TREE_AUTO] if args.tree else [])
     args.limit = 4 * max(args.batch_size) if args.limit is None else args.limit
     for k in ks:
-        if k != "auto":
+        if k not in ("auto", TREE_AUTO):
             check_k(k)
     if any(b < 1 for b in args.batch_size):
         raise UserError(f"--batch-size takes integers >= 1, got {args.batch_size}")
@@ -179,7 +186,9 @@ def run_throughput_command(args) -> int:
     rows = []
     for weights, kv_cache in itertools.product(args.weights, args.kv_cache):
         def load(draft, k, weights=weights, kv_cache=kv_cache):
-            return load_generator(GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp,
+            tree = "auto" if k == TREE_AUTO else "off"
+            return load_generator(GeneratorSpec(target=args.target, draft=draft, k="auto" if tree == "auto" else k,
+                                                tree=tree, sampling=sp,
                                                 chat=chat, max_new_tokens=args.max_new_tokens,
                                                 weights=weights, kv_cache=kv_cache,
                                                 tensor_parallel=args.tensor_parallel,

@@ -38,6 +38,13 @@ def rounds_at_k(s: dict) -> dict[int, int]:
     return dict(sorted(rounds.items()))
 
 
+def rounds_by_shape(k_rounds) -> dict:
+    """An engine's rounds per shape (`Engine.k_rounds`: a chain's K, 0 for plain rounds, or
+    a tree's widths), chains first by K, then the trees, leaving out shapes that never ran."""
+    ran = {k: n for k, n in k_rounds.items() if n}
+    return dict(sorted(ran.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0]).zfill(3))))
+
+
 def run(args) -> int:
     import collections
     import time
@@ -66,9 +73,12 @@ def run(args) -> int:
         + (f", tree {s['tree']} ({s['drafted_per_loop'][0] if s['drafted_per_loop'] else 0} nodes "
            "scored a round; rounds by accepted depth: "
            + ", ".join(f"{d}: {n}" for d, n in sorted(collections.Counter(s["accepted_per_loop"]).items()))
-           + ")" if s["tree"] != "off" else "")
+           + ")" if s["tree"] not in ("off", "auto") else "")
         + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in rounds_at_k(s).items()) + ")"
-           if s["k"] == TABLE_K_AUTO else "")
+           if s["k"] == TABLE_K_AUTO and s["tree"] != "auto" else "")
+        + (", tree auto (rounds by shape, a K or a tree: "
+           + ", ".join(f"{k}: {n}" for k, n in rounds_by_shape(gen.engine.k_rounds).items()) + ")"
+           if s["tree"] == "auto" else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
         f"tokens/call {s['tokens_per_call']:.2f}"
         + (f", acceptance {s['acceptance_rate']:.2f}" if c.k else "")

@@ -31,7 +31,9 @@ import numpy as np
 
 from specsamp.decoding import stats
 from specsamp.decoding.decode import Program, prefill_chunks
-from specsamp.decoding.kpolicy import depth_counts
+from specsamp.decoding.config import shape_key
+from specsamp.decoding.costs import shape_program
+from specsamp.decoding.kpolicy import branch_counts, depth_counts, tree_widths
 from specsamp.decoding.rounds import RawSample, from_log, round_logs
 from specsamp.decoding.shapes import prefill_groups, prompt_bucket, width_for
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS
@@ -74,7 +76,7 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
     n = len(prompts)
     prog = engine.prog
     fresh = getattr(engine.policy, "fresh_choice", None)
-    if prog.drafter is not None and fresh is not None and engine.k.ks[fresh(engine.depth)] == 0:
+    if prog.drafter is not None and fresh is not None and engine.k.shapes[fresh(*_pooled(engine))] == 0:
         # The policy puts fresh rows at K = 0, and plain rounds test no draft, so every
         # chunk of this run would choose K = 0 (`KPolicy.fresh_choice`): the run goes
         # without the drafter, computing what the autoregressive engine computes (no
@@ -90,21 +92,22 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         t0 = time.perf_counter()  # moving rows and a drafter's resync are decode time too
         compiling = run.compile_s
         run.compact()
-        k = run.choose_k()
+        shape = run.choose_k()
+        prog, k = shape_program(run.prog, shape)  # a chain's K, or a tree's program and depth
         # Plain chunks under a K policy teach it nothing (no draft is tested), so it would
         # choose K = 0 again: they run on until slots free up, as an autoregressive engine
         # does (unless stop strings need the host every chunk_rounds rounds).
         plain_on = k == 0 and engine.policy is not None and should_stop is None
         run.state, rounds, seconds = engine.generate(
-            run.prog, k, run.state, eos, stops, max_rounds=_NEVER if plain_on else batching.chunk_rounds,
+            prog, k, run.state, eos, stops, max_rounds=_NEVER if plain_on else batching.chunk_rounds,
             refill_at=run.refill_at())
         run.compile_s += seconds
         t0 += run.compile_s - compiling  # compiling is not decoding (`compile_s` column)
         seconds = time.perf_counter() - t0
-        engine.k_rounds[k] += rounds
+        engine.k_rounds[shape_key(shape)] += rounds
         engine.slot_rounds[len(run.slot_row)] += rounds
         engine.decode_s += seconds
-        run.charge_decode(seconds, rounds, k)
+        run.charge_decode(seconds, rounds, shape)
         if should_stop is not None:
             run.apply_stop_strings(should_stop)
         run.collect()
@@ -112,6 +115,12 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
             progress(n - len(run.pending) - len(run.active()))
         yield
     return run.samples()
+
+
+def _pooled(engine) -> tuple:
+    """The engine's pooled counts a policy reads: by draft position, and by (depth, width)
+    where it has trees."""
+    return (engine.depth, engine.branches) if engine.k.trees else (engine.depth,)
 
 
 class _Run:
@@ -173,16 +182,16 @@ class _Run:
         self.calls, self.accepted, self.tested, self.reason = (
             a[order] for a in (self.calls, self.accepted, self.tested, self.reason))
 
-    def choose_k(self) -> int:
-        """The next chunk's K: the engine's fixed K, or its policy's choice; a drafter whose
-        cache plain rounds left behind is brought level first."""
+    def choose_k(self):
+        """The next chunk's shape, a K or a Tree: the engine's fixed K, or its policy's
+        choice; a drafter whose cache plain rounds left behind is brought level first."""
         eng = self.engine
         if self.prog.drafter is None and eng.prog.drafter is not None:
             return 0  # a run without the drafter (see `steps`)
-        if eng.policy is None or len(eng.k.ks) == 1:
+        if eng.policy is None or len(eng.k.shapes) == 1:
             return eng.k.ks[0]
-        k = eng.k.ks[eng.policy(*self.acceptance())]
-        if self.plain and k and self.prog.drafter.uses_cache:
+        k = eng.k.shapes[eng.policy(*self.acceptance())]
+        if self.plain and k != 0 and self.prog.drafter.uses_cache:
             width = min(prompt_bucket(int(np.asarray(self.state.length).max())), self.state.tokens.shape[1])
             self.state, seconds = eng.resync(self.prog, self.state, width)
             self.compile_s += seconds
@@ -231,12 +240,15 @@ class _Run:
         for i in rows:
             self.prefill_s[i] = share
 
-    def charge_decode(self, seconds: float, rounds: int, k: int) -> None:
-        """Give each row its share of a chunk that ran `rounds` rounds at K = k, and count
-        its tested draft tokens for the K policy (a round that kept fewer than k stopped at
-        a rejection). A hybrid's wide rounds (more lookup tokens than k) are left out: they
-        run only in chunks of a smaller K, and their long matches, kept far more often than
-        the model's chained guesses, would make the policy overrate the larger K."""
+    def charge_decode(self, seconds: float, rounds: int, shape) -> None:
+        """Give each row its share of a chunk that ran `rounds` rounds of `shape` (a K, or
+        a Tree), and count its tested draft tokens for the K policy (a round that kept
+        fewer than K stopped at a rejection; a tree's by depth and width). A hybrid's wide
+        rounds (more lookup tokens than k) are left out: they run only in chunks of a
+        smaller K, and their long matches, kept far more often than the model's chained
+        guesses, would make the policy overrate the larger K."""
+        tree = None if isinstance(shape, int) else shape
+        k, scored = (shape, shape) if tree is None else (tree.max_depth, tree.size)
         self.totals[1] += seconds
         st = self.state
         calls, log, widths = (np.asarray(a) for a in (st.calls, st.round_accepted, st.round_drafted))
@@ -246,19 +258,25 @@ class _Run:
             # A round takes the same time for every row of the batch.
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
             new, ks = log[s, self.calls[s] : calls[s]], widths[s, self.calls[s] : calls[s]]
-            loops = new[(new >= 0) & (ks == k)]  # -1: a plain round
+            loops = new[(new >= 0) & (ks == scored)]  # -1: a plain round
             accepted, _, tested = stats.loop_counts(loops, k)
             self.accepted[s] += accepted
             self.tested[s] += tested
-            for total, part in zip(depth, depth_counts(loops, k, len(depth[0]))):
+            if tree is None:
+                counts = zip(depth, depth_counts(loops, k, len(depth[0])))
+            else:
+                table = self.engine.branches
+                counts = zip(table, branch_counts(loops, tree_widths(tree), table[0].shape))
+            for total, part in counts:
                 total += part
         self.calls = calls.astype(np.int64)
 
-    def acceptance(self) -> tuple[np.ndarray, np.ndarray, tuple]:
+    def acceptance(self) -> tuple:
         """(accepted, tested) draft tokens so far of each running row, and the engine's
-        (accepted, tested) by draft position, over all its runs."""
+        (accepted, tested) by draft position (and by depth and width, with trees), over
+        all its runs."""
         running = [s for s in self.active() if self.reason[s] == RUNNING]
-        return self.accepted[running], self.tested[running], self.engine.depth
+        return (self.accepted[running], self.tested[running], *_pooled(self.engine))
 
     def apply_stop_strings(self, should_stop) -> None:
         reason = np.asarray(self.state.stop_reason).copy()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from specsamp.decoding.drafts import resolve
 from specsamp.decoding.tree import Tree
 from specsamp.errors import UserError
@@ -60,16 +62,29 @@ class KChoice:
     auto: a K policy picks one of ks before each chunk of rounds (`kpolicy`, `--k auto`).
     wide: a hybrid drafter's wide rounds score this many lookup tokens in chunks of a
       smaller K (0: none).
+    trees: token tree shapes the policy may pick beside the chains (`--tree auto`); a
+      shape's rounds draft K = its depth.
     """
 
     ks: tuple[int, ...]
     auto: bool = False
     wide: int = 0
+    trees: tuple[Tree, ...] = ()
 
     @property
     def largest(self) -> int:
         """The K the drafter is built for (every other K is `Drafter.with_k` of it)."""
-        return max(self.ks)
+        return max(self.ks + tuple(t.max_depth for t in self.trees))
+
+    @property
+    def shapes(self) -> tuple:
+        """What a policy's index points into: the chains' K values, then the trees."""
+        return self.ks + self.trees
+
+    @property
+    def span(self) -> int:
+        """The most draft tokens one round of these shapes scores."""
+        return max(self.ks + tuple(t.size for t in self.trees))
 
     @property
     def table(self) -> int:
@@ -88,6 +103,46 @@ def fixed_k(k: int) -> KChoice:
 # and wide lookup rounds of 3 tokens on 3-token matches in chunks of a smaller K
 # (`HybridDrafter.wide`; docs/measurements.md gives the replay behind these values).
 AUTO_K = KChoice((0, 1, 2, 4), auto=True, wide=3)
+
+
+# `--tree auto`: the tree shapes the policy weighs beside AUTO_K's chains (one compiled
+# round program each). Small trees only: at most 6 nodes, so a round scores no more rows
+# than a chain of K = 4 plus two, and at most 3 deep, below AUTO_K's deepest chain. Width
+# goes where a chain most often fails, the first draft token (2x1, 3x1) or the first two
+# (2x2), with a longer branch (2x1x1) for drafts that keep deep positions. Every shape but
+# 2x2 is a tree of branches, which n-gram lookup drafts too (`NgramDrafter.check_tree`).
+AUTO_TREES = tuple(Tree.full(w) for w in ((2, 1), (2, 1, 1), (3, 1), (2, 2)))
+TREE_AUTO = KChoice(AUTO_K.ks, auto=True, trees=AUTO_TREES)
+
+
+def tree_text(tree: Tree) -> str:
+    """A full tree's widths per depth, '2x1' (`Tree.full`'s argument, `parse_tree`'s text)."""
+    per_depth = np.bincount(tree.depth)[1:]
+    return "x".join(str(int(n // m)) for n, m in zip(per_depth, np.concatenate([[1], per_depth[:-1]])))
+
+
+def shape_key(shape) -> int | str:
+    """A round shape (a chain's K or a Tree) as statistics and cost curves name it: the K,
+    or the tree's widths ('2x1')."""
+    return shape if isinstance(shape, int) else tree_text(shape)
+
+
+def trees_for(drafter, trees: tuple[Tree, ...]) -> tuple[Tree, ...]:
+    """The shapes of `trees` that `drafter` drafts (n-gram lookup: branches only); a
+    UserError for a drafter that drafts no trees."""
+    if not hasattr(drafter, "propose_tree"):
+        raise UserError(no_tree_drafter(f"drafter {drafter.kind!r}") + " (--tree auto)")
+    check = getattr(drafter, "check_tree", None)
+    if check is None:
+        return trees
+    ok = []
+    for tree in trees:
+        try:
+            check(tree)
+            ok.append(tree)
+        except UserError:
+            pass
+    return tuple(ok)
 
 
 def parse_k(value) -> KChoice:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.compilation import compiled
-from specsamp.decoding.config import SamplingParams
+from specsamp.decoding.config import SamplingParams, shape_key
 from specsamp.decoding.decode import empty_state, generate, insert, prefill_chunks
 from specsamp.decoding.drafters import ModelDrafter
 from specsamp.models import ModelConfig, init_cache
@@ -93,10 +93,19 @@ def measure_cost_ratio(engine) -> float:
 @dataclasses.dataclass(frozen=True)
 class CostCurve:
     """Measured seconds of one decoding round of `batch` rows (slots) at each K: rounds[0]
-    a plain round, rounds[K] a round that drafts K tokens and scores K+1."""
+    a plain round, rounds[K] a round that drafts K tokens and scores K+1; rounds['2x1'] a
+    round of that token tree (`config.shape_key`)."""
 
     batch: int
-    rounds: dict[int, float]
+    rounds: dict[int | str, float]
+
+
+def shape_program(prog, shape):
+    """(program, k) of the round program for `shape`: a chain's K (the program as it is),
+    or a Tree (the program drafting that tree, k its depth)."""
+    if isinstance(shape, int):
+        return prog, shape
+    return dataclasses.replace(prog, tree=shape), shape.max_depth
 
 
 def _curve_path(engine, batch: int, slots: int, width: int) -> str:
@@ -106,7 +115,8 @@ def _curve_path(engine, batch: int, slots: int, width: int) -> str:
     ident = repr(("rounds", jax.devices()[0].device_kind, platform.machine(), jax.__version__,
                   kernels.library_digest(), kernels.isa(), engine.prog.target, engine.prog.kv_cache,
                   engine.prog.sampling, drafter.with_k(1) if drafter is not None else None,
-                  engine.max_new_tokens, batch, engine.k.ks, slots, width))
+                  engine.max_new_tokens, batch, engine.k.ks, slots, width)
+                 + ((tuple(shape_key(t) for t in engine.k.trees),) if engine.k.trees else ()))
     name = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp"))
     return os.path.join(root, "costs", f"{name}.json")
@@ -114,8 +124,9 @@ def _curve_path(engine, batch: int, slots: int, width: int) -> str:
 
 def time_rounds(engine, batch: int, slots: int, width: int, repeats: int = 5,
                 rounds: int = 4) -> dict[int, float]:
-    """Seconds of one round of `engine` at each K of engine.k.ks (0: plain) over `batch`
-    slots, as its runner runs it: the round program at that K (`decode.generate`),
+    """Seconds of one round of `engine` at each K of engine.k.ks (0: plain) and each tree
+    of engine.k.trees (keyed by `shape_key`) over `batch` slots, as its runner runs it:
+    the round program at that K or tree (`decode.generate`, `shape_program`),
     `rounds` rounds a call, over all rows prefilled with `width` random tokens (in which a
     lookup drafter finds no match: the drafter's model round, the dearer one) and never
     stopping. The K values take turns in each of `repeats` repeats, each from a copy of
@@ -135,7 +146,8 @@ def time_rounds(engine, batch: int, slots: int, width: int, repeats: int = 5,
     traced = dict(target_params=eng.target_params, draft_params=eng.draft_params, state=start,
                   eos_ids=never, stop_ids=never, max_rounds=jnp.int32(rounds),
                   refill_at=jnp.int32(b + 1))
-    calls = [compiled(generate, dict(prog=eng.prog, k=k), traced)[0] for k in eng.k.ks]
+    calls = [compiled(generate, dict(zip(("prog", "k"), shape_program(eng.prog, shape))), traced)[0]
+             for shape in eng.k.shapes]
     seconds = [[] for _ in calls]
     for _ in range(repeats):
         for i, exe in enumerate(calls):
@@ -144,8 +156,8 @@ def time_rounds(engine, batch: int, slots: int, width: int, repeats: int = 5,
             ran = int(exe(**{**traced, "state": state})[1])  # waits for the call
             seconds[i].append((time.perf_counter() - t0) / max(ran, 1))
     first = statistics.median(seconds[0])
-    return {k: first * statistics.median(s / s0 for s, s0 in zip(times, seconds[0]))
-            for k, times in zip(eng.k.ks, seconds)}
+    return {shape_key(shape): first * statistics.median(s / s0 for s, s0 in zip(times, seconds[0]))
+            for shape, times in zip(eng.k.shapes, seconds)}
 
 
 def cost_curve(engine, batch: int, slots: int, width: int, repeats: int = 5) -> CostCurve:
@@ -156,7 +168,7 @@ def cost_curve(engine, batch: int, slots: int, width: int, repeats: int = 5) -> 
     if os.path.exists(path):
         with open(path) as fh:
             raw = json.load(fh)
-        return CostCurve(batch, {int(k): s for k, s in raw["rounds"].items()})
+        return CostCurve(batch, {int(k) if k.isdigit() else k: s for k, s in raw["rounds"].items()})
     rounds = time_rounds(engine, batch, slots, width, repeats)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as fh:

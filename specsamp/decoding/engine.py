@@ -37,10 +37,11 @@ from specsamp.errors import UserError
 from specsamp.mesh import replicate
 from specsamp.models import Model
 
-# policy(accepted, tested, depth) -> index into the engine's k.ks: accepted and tested draft
-# tokens of each running row so far, and the engine's (accepted, tested) by draft position
-# (`specsamp.decoding.kpolicy.KPolicy`).
-PolicyFn = Callable[[np.ndarray, np.ndarray, tuple], int]
+# policy(accepted, tested, depth[, branches]) -> index into the engine's k.shapes (its
+# k.ks, then its k.trees): accepted and tested draft tokens of each running row so far,
+# the engine's (accepted, tested) by draft position of its chain rounds, and, where it has
+# trees, of its tree rounds by (depth, width) (`specsamp.decoding.kpolicy.KPolicy`).
+PolicyFn = Callable[..., int]
 
 
 @dataclasses.dataclass
@@ -49,12 +50,13 @@ class Engine:
 
     target_params / draft_params: pytrees (draft_params None for n-gram and the baseline).
     eos_ids: token ids that end a sample (kept in the output).
-    k: the K values rounds may run at (default the program's own K); with more than one,
-      `policy` picks one before each chunk of rounds.
-    Statistics over every run: rounds per K (`k_rounds`) and per slot count
-    (`slot_rounds`), the drafter's accepted and tested tokens by draft position (`depth`,
-    for the K policy: a property of the drafter, not of a run), and the wall seconds of
-    inserts and chunks (`prefill_s`, `decode_s`).
+    k: the K values rounds may run at (default the program's own K), and tree shapes
+      (`KChoice.trees`); with more than one, `policy` picks one before each chunk of rounds.
+    Statistics over every run: rounds per K or tree (`k_rounds`, a tree by its widths,
+    '2x1') and per slot count (`slot_rounds`), the drafter's accepted and tested tokens
+    by draft position in chain rounds (`depth`) and by (depth, width) in tree rounds
+    (`branches`), for the K policy: a property of the drafter, not of a run; and the wall
+    seconds of inserts and chunks (`prefill_s`, `decode_s`).
     """
 
     prog: Program
@@ -72,17 +74,19 @@ class Engine:
         self.k_rounds = collections.Counter()
         self.slot_rounds = collections.Counter()
         self.depth = (np.zeros(max(self.k.largest, 1)), np.zeros(max(self.k.largest, 1)))
+        table = (max(self.k.largest, 1), max((t.children.shape[1] for t in self.k.trees), default=1))
+        self.branches = (np.zeros(table), np.zeros(table))
         self.prefill_s = self.decode_s = 0.0
 
     # -- sizes ---------------------------------------------------------------------------
 
     @property
     def max_prompt_tokens(self) -> int:
-        return self.prog.target.max_seq_len - self.max_new_tokens - self.prog.span - 2
+        return self.prog.target.max_seq_len - self.max_new_tokens - max(self.k.span, self.prog.span) - 2
 
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
         """Cache slots per row for a run of `prompts` (one size for every slot)."""
-        need = width_for(prompts) + self.max_new_tokens + max(self.k.largest, self.prog.span) + 2
+        need = width_for(prompts) + self.max_new_tokens + max(self.k.span, self.prog.span) + 2
         return -(-need // 128) * 128
 
     def check_prompt(self, ids: Sequence[int]) -> None:

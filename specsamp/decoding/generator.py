@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 import jax
 
 from specsamp.decoding.config import (
-    KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k, parse_draft, parse_k,
-    parse_tree, resolve_kv_cache, seed_for,
+    TREE_AUTO, KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k,
+    no_tree_drafter, parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, trees_for,
 )
 from specsamp.decoding.costs import measure_cost_ratio
 from specsamp.decoding.decode import Program
@@ -67,20 +67,29 @@ class GeneratorSpec:
     kv_cache: str = "auto"
     dtype: str = "auto"
     # 'off' (chains of k) or a token tree's widths per depth, 'W1xW2x...' (`config.parse_tree`):
-    # every drafted round drafts and scores that tree, K = its depth (k is then not read).
+    # every drafted round drafts and scores that tree, K = its depth (k is then not read);
+    # or 'auto': the K policy picks a chain's K or one of `config.AUTO_TREES` per chunk
+    # (k is then auto; n-gram lookup weighs the trees of branches only).
     tree: str = "off"
     draft_k: KChoice = dataclasses.field(init=False, repr=False, compare=False)  # k, parsed
     draft_tree: Tree | None = dataclasses.field(init=False, repr=False, compare=False)  # tree, parsed
 
     def __post_init__(self):
-        object.__setattr__(self, "draft_tree", parse_tree(self.tree))
+        if self.tree == "auto":
+            kind = parse_draft(self.draft)[0]
+            if kind == "none":
+                raise UserError("--tree auto needs a drafter: give --draft (a draft model, early-exit:L or ngram)")
+            if kind == "hybrid":
+                raise UserError(no_tree_drafter(f"a hybrid drafter ({self.draft})") + " (--tree auto)")
+            object.__setattr__(self, "k", "auto")
+        object.__setattr__(self, "draft_tree", None if self.tree == "auto" else parse_tree(self.tree))
         if self.draft_tree is not None:
             if self.draft == "none":
                 raise UserError("a token tree needs a drafter: give --draft (a draft model or early-exit:L)")
             if self.k == "auto":
                 raise UserError("--tree and --k auto do not combine yet: give a tree or k auto")
             object.__setattr__(self, "k", self.draft_tree.max_depth)
-        object.__setattr__(self, "draft_k", parse_k(self.k))
+        object.__setattr__(self, "draft_k", TREE_AUTO if self.tree == "auto" else parse_k(self.k))
         if self.batching not in ("static", "continuous"):
             raise UserError(f"batching must be 'static' or 'continuous', got {self.batching!r}")
         check_max_new_tokens(self.max_new_tokens)
@@ -142,6 +151,8 @@ class Generator:
                                                                      dtype=self.target.dtype))
         self.drafter, draft_params = build_drafter(self.draft, k.largest, spec.sampling, cfg,
                                                    self.target.params, load, self.mesh, wide=k.wide)
+        if k.trees and self.drafter is not None:  # `--tree auto`: the shapes this drafter drafts
+            k = dataclasses.replace(k, trees=trees_for(self.drafter, k.trees))
         self.engine = Engine(
             Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype),
                     tree=spec.draft_tree if self.drafter is not None else None),
@@ -210,7 +221,7 @@ class Generator:
     def _generate_continuous(self, prompts, seeds, progress) -> list[Completion]:
         ids = [self.encode_prompt(p) for p in prompts]
         eng, batch = self.engine, self.spec.batch_size
-        if eng.policy is None and len(eng.k.ks) > 1:
+        if eng.policy is None and len(eng.k.shapes) > 1:
             eng.policy = auto_policy(eng, batch, ids)
         # Chunks of 16 rounds at most for stop strings, and under a K policy so that it
         # re-decides K as acceptance estimates move.

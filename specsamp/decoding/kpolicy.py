@@ -14,9 +14,20 @@ ones before it, pooled over every row the engine ran, scales the row's rate ther
 (`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
 taken to be the first position's, the plain model.
 
-Exactness: every round is exact whatever K it runs at, and K is chosen from the past only,
-so samples follow the target's distribution (checked by chi-square in the tests); greedy
-output is the same token for token. A sampled row's tokens for a given seed, however, depend
+Token trees (`--tree auto`, `KChoice.trees`): beside the chains the policy weighs a few
+tree shapes, each with its own measured round seconds. A tree round keeps depth j when the
+target's token at every depth d <= j is among the w_d children drafted there; it yields
+1 + sum_j prod_{d<=j} s_d(w_d) tokens, s_d(w) the rate at which the target's token is
+among w children at depth d given the path above was kept (`expected_tree_tokens`). The
+s_d(w) are pooled over the rounds that ran, by (depth, width) (`branch_counts`, chains
+being width 1), and shrunk toward the width-1 rate at that depth: a width not tried yet
+counts as no better than one child, so each tree shape runs one chunk early on (explore)
+for its estimate to move. A row's own rate scales them as it scales a chain's. A tree
+runs only where predicted faster than the best chain by `tree_margin`.
+
+Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
+from the past only, so samples follow the target's distribution (checked by chi-square in
+the tests); greedy output is the same token for token. A sampled row's tokens for a given seed, however, depend
 on the K schedule, hence on its batch: with a fixed K they do not.
 """
 
@@ -27,9 +38,11 @@ from typing import Sequence
 
 import numpy as np
 
+from specsamp.decoding.config import shape_key, tree_text
 from specsamp.decoding.costs import CostCurve, cost_curve
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
+from specsamp.decoding.tree import Tree
 
 
 def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,6 +55,45 @@ def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.nda
     accepted = (d <= loops[:, None]).sum(axis=0).astype(float)
     tested = (d <= np.minimum(loops + 1, lengths)[:, None]).sum(axis=0).astype(float)
     return accepted, tested
+
+
+def tree_widths(tree: Tree) -> tuple[int, ...]:
+    """A full tree's children per node at each depth (1 for every depth of a chain)."""
+    return tuple(int(w) for w in tree_text(tree).split("x"))
+
+
+def branch_counts(accepted_per_loop, widths, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(accepted, tested) [D, W] (entry [d - 1, w - 1] for depth d among w children) of
+    loops of one shape, `widths` its children per depth: a loop that kept depth n tested
+    depths 1..min(n + 1, D) and kept 1..n. `shape`: the table's (D, W), at least the
+    shape's."""
+    accepted, tested = depth_counts(accepted_per_loop, len(widths), len(widths))
+    acc, tst = np.zeros(shape), np.zeros(shape)
+    for d, w in enumerate(widths):
+        acc[d, w - 1], tst[d, w - 1] = accepted[d], tested[d]
+    return acc, tst
+
+
+def branch_rates(accepted, tested, weight: float) -> np.ndarray:
+    """s_d(w) [D, W], the rate at which the target's token is among w children at depth d
+    given the path above was kept, from pooled (accepted, tested) [D, W]: the first
+    depth's width-1 rate with a uniform prior; deeper width-1 rates shrunk toward it with
+    `weight` pseudo-observations; a wider set's shrunk toward the width-1 rate at its
+    depth (untried: no better than one child)."""
+    accepted, tested = np.asarray(accepted, float), np.asarray(tested, float)
+    first = (accepted[0, 0] + 1.0) / (tested[0, 0] + 2.0)
+    rate = np.empty(accepted.shape)
+    rate[:, 0] = (accepted[:, 0] + weight * first) / (tested[:, 0] + weight)
+    rate[0, 0] = first
+    rate[:, 1:] = (accepted[:, 1:] + weight * rate[:, :1]) / (tested[:, 1:] + weight)
+    return rate
+
+
+def expected_tree_tokens(a, rates, widths):
+    """E[tokens per round] of a tree of `widths` (children per node by depth; all 1: a
+    chain) when depth d is kept with probability a * rates[d - 1, w_d - 1] given the
+    depths above were: 1 + the sum over depths j of the products up to j."""
+    return expected_tokens_by_position(a, [rates[d, w - 1] for d, w in enumerate(widths)], len(widths))
 
 
 def expected_tokens_by_position(a, rates, k: int):
@@ -63,6 +115,7 @@ class KPolicy:
 
     curve: CostCurve
     ks: Sequence[int]
+    trees: Sequence[Tree] = ()  # tree shapes beside the chains (indices after ks)
     prior_weight: float = 4.0  # pseudo-observations of the pooled rate per row
     depth_weight: float = 16.0  # pseudo-observations of the first position's rate, per position
     # Draft only where the best K is predicted this much faster than plain rounds: the
@@ -70,12 +123,20 @@ class KPolicy:
     # a few percent is within a curve's error (docs/measurements.md); plain rounds cost
     # what the baseline costs.
     margin: float = 0.05
+    # A tree only where predicted this much faster than the best chain (plain included):
+    # the same curve error, and a tree's rates rest on fewer rounds than a chain's.
+    tree_margin: float = 0.05
 
     def __post_init__(self):
-        self.chosen: list[int] = []
+        self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
+        self.explored: set[int] = set()  # tree indices (into `shapes`) that ran a chunk
 
-    def round_seconds(self, k: int) -> float:
-        return self.curve.rounds[k]
+    @property
+    def shapes(self) -> tuple:
+        return tuple(self.ks) + tuple(self.trees)
+
+    def round_seconds(self, shape) -> float:
+        return self.curve.rounds[shape_key(shape)]
 
     def alphas(self, accepted: np.ndarray, tested: np.ndarray) -> np.ndarray:
         pooled = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
@@ -85,41 +146,79 @@ class KPolicy:
         """Each draft position's rate given the ones before it, over the rate of all tested
         positions together (what a row's alpha estimates), from the pooled (accepted,
         tested) by position (one entry per position up to max(ks)); a position no round
-        tested yet is taken at the first one's."""
+        tested yet is taken at the first one's (`branch_rates` at width 1)."""
         accepted, tested = (np.asarray(a, float) for a in depth)
         overall = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
-        first = (accepted[0] + 1.0) / (tested[0] + 2.0)
-        rate = (accepted + self.depth_weight * first) / (tested + self.depth_weight)
-        rate[0] = first
-        return rate / overall
+        return branch_rates(accepted[:, None], tested[:, None], self.depth_weight)[:, 0] / overall
 
-    def tokens_per_second(self, k: int, alpha: np.ndarray, rates=None) -> float:
-        tokens = (expected_tokens(alpha, k) if rates is None
-                  else expected_tokens_by_position(alpha, rates, k))
+    def tree_rates(self, depth, branches) -> np.ndarray:
+        """s_d(w) [D, W] (`branch_rates`) over the rate of all tested depths together
+        (what a row's alpha estimates), from the chains' (accepted, tested) by position
+        (width 1) and the trees' by (depth, width)."""
+        chain_acc, chain_tst = (np.asarray(a, float) for a in depth)
+        acc, tst = (np.array(a, float) for a in branches)
+        acc[: len(chain_acc), 0] += chain_acc
+        tst[: len(chain_tst), 0] += chain_tst
+        overall = (acc.sum() + 1.0) / (tst.sum() + 2.0)
+        return branch_rates(acc, tst, self.depth_weight) / overall
+
+    def tokens_per_second(self, k, alpha: np.ndarray, rates=None) -> float:
+        """k: a chain's K, or a Tree (then `rates` are `tree_rates`)."""
+        if isinstance(k, Tree):
+            tokens = expected_tree_tokens(alpha, rates, tree_widths(k))
+        elif rates is None:
+            tokens = expected_tokens(alpha, k)
+        else:
+            tokens = expected_tokens_by_position(alpha, rates if np.ndim(rates) == 1 else rates[:, 0], k)
         return float(np.sum(tokens)) / self.round_seconds(k)
 
-    def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None) -> int:
+    def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None, branches=None) -> int:
         """depth: (accepted, tested) draft tokens by position, pooled over rows
-        (`depth_counts`), or None for the plain model."""
-        best = self._best(accepted, tested, depth)
-        self.chosen.append(self.ks[best])
+        (`depth_counts`), or None for the plain model; branches: the tree rounds'
+        (accepted, tested) by (depth, width) (`branch_counts`), with trees. Returns an
+        index into `shapes`; a tree not yet run is chosen once wherever drafting is."""
+        best = self._best(accepted, tested, depth, branches)
+        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in self.explored]
+        if fresh and self.shapes[best] != 0:
+            best = fresh[0]
+        if best >= len(self.ks):
+            self.explored.add(best)
+        self.chosen.append(shape_key(self.shapes[best]))
         return best
 
-    def fresh_choice(self, depth=None) -> int:
+    def fresh_choice(self, depth=None, branches=None) -> int:
         """The index chosen for rows none of which has tested a draft token yet (each at
         the pooled prior), not recorded. A run whose first chunk this puts at K = 0 stays
         there: plain rounds test no draft, so the choice's inputs never change (the
         runner then runs it without the drafter, `batching.steps`)."""
-        return self._best(np.zeros(1), np.zeros(1), depth)
+        return self._best(np.zeros(1), np.zeros(1), depth, branches)
 
-    def _best(self, accepted, tested, depth) -> int:
+    def _best(self, accepted, tested, depth, branches=None) -> int:
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
-        by_position = None if depth is None else self.position_rates(depth)
-        speeds = [self.tokens_per_second(k, alpha, by_position) for k in self.ks]
-        best = int(np.argmax(speeds))
-        if 0 in self.ks and speeds[best] < (1 + self.margin) * speeds[self.ks.index(0)]:
+        if self.trees:  # chains and trees from one table: the chains' positions are width 1
+            deep = self._deepest()
+            depth = (np.zeros(deep),) * 2 if depth is None else depth
+            branches = (np.zeros((deep, self._widest())),) * 2 if branches is None else branches
+            rates = self.tree_rates(depth, branches)
+        else:
+            rates = None if depth is None else self.position_rates(depth)
+        speeds = [self.tokens_per_second(k, alpha, rates) for k in self.shapes]
+        chains = speeds[: len(self.ks)]
+        best = int(np.argmax(chains))
+        plain = (1 + self.margin) * chains[self.ks.index(0)] if 0 in self.ks else 0.0
+        if 0 in self.ks and chains[best] < plain:
             best = self.ks.index(0)
+        if self.trees:
+            top = len(self.ks) + int(np.argmax(speeds[len(self.ks):]))
+            if speeds[top] > (1 + self.tree_margin) * max(chains[best], plain):
+                return top
         return best
+
+    def _deepest(self) -> int:
+        return max(tuple(self.ks) + tuple(t.max_depth for t in self.trees))
+
+    def _widest(self) -> int:
+        return max(max(tree_widths(t)) for t in self.trees)
 
 
 def auto_policy(engine, batch: int, prompts) -> KPolicy:
@@ -127,4 +226,4 @@ def auto_policy(engine, batch: int, prompts) -> KPolicy:
     from this machine's round costs at that shape (measured on first use, then read from
     disk)."""
     return KPolicy(cost_curve(engine, batch, engine.slots_for(prompts), width_for(prompts)),
-                   engine.k.ks)
+                   engine.k.ks, engine.k.trees)

@@ -5,7 +5,9 @@ The drafter proposes a tree of the program's static shape per row (`propose_tree
 call with the tree's attention (`Model.forward(..., paths=)`); acceptance walks the tree
 (`tree_acceptance`: greedy, or sampling for how the drafter says the children were
 chosen); the accepted path's keys and values move to slot = position (`keep_path`); the
-path's tokens and the token after it are committed as a chain round's would be.
+path's tokens and the token after it are committed as a chain round's would be. The
+drafter's caches move their path entries likewise, so that a chain round may follow a
+tree round on the same state (`--tree auto` switches shapes between chunks).
 
 Statistics: a tree round records drafted = N (the nodes scored, the target's extra rows)
 and accepted = the accepted depth (draft tokens kept and appended), so accepted / drafted
@@ -22,6 +24,7 @@ from specsamp.decoding.state import DecodeState, commit_accepted, gather_window,
 from specsamp.decoding.tree import block_paths, block_positions
 from specsamp.decoding.tree_acceptance import accept_tree_batch, accept_tree_greedy_batch
 from specsamp.models.argmax import first_argmax
+from specsamp.models import KVCache
 from specsamp.models.tree_cache import keep_path
 
 
@@ -55,5 +58,10 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
     rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # [B, K+1]
     draft_state = prog.drafter.observe(
         proposal.draft_state, jnp.take_along_axis(hidden, rows[:, :, None], axis=1), t)
+    # The draft's cache too, so that what follows finds the path where a chain round
+    # leaves its drafts: a chain round after this one (`--tree auto`) rewrites only the
+    # last position or the last K + 1, not the slots a tree block put elsewhere.
+    draft_state = jax.tree.map(lambda c: keep_path(c, acc.path, t) if isinstance(c, KVCache) else c,
+                               draft_state, is_leaf=lambda x: isinstance(x, KVCache))
     state = state.replace(target_cache=keep_path(cache, acc.path, t), draft=draft_state)
     return commit_accepted(state, kept, acc.n, acc.token, eos_ids, stop_ids, drafted=tree.size)
