@@ -78,13 +78,25 @@ SMALL_PRODUCT = 1 << 16
 TILE = 64
 
 
+def wide_type(dtype) -> jnp.dtype:
+    """The type products of `dtype` operands are computed in: float32 for 16-bit floats
+    (exact products, float32 sums, as accelerators run bfloat16; XLA:CPU's own bfloat16
+    products round as they go and run about 100x slower), else `dtype`. Operands are
+    converted before a loop over products, not inside it: XLA folds a conversion next to
+    a product back into a 16-bit product."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
+
+
 def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     """x [..., C] times w [C, N] (w [N, C] with `transposed`), a row's bits independent of
     the count of rows or tokens in the call: rows go through one compiled product shape
     inside a loop, chosen by w's shape only (SMALL_PRODUCT)."""
     contract = 1 if transposed else 0
+    out_type = jnp.promote_types(x.dtype, w.dtype)
+    x, w = x.astype(wide_type(out_type)), w.astype(wide_type(out_type))
     if not per_row():
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ()))).astype(out_type)
     lead, c = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, c)
     m = rows.shape[0]
@@ -92,7 +104,7 @@ def row_dot(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     rows = jnp.pad(rows, ((0, -m % tile), (0, 0))).reshape(-1, tile, c)
     dims = (((1,), (contract,)), ((), ()))
     out = jax.lax.map(lambda r: jax.lax.dot_general(r, w, dims), rows)
-    return out.reshape(-1, out.shape[-1])[:m].reshape(lead + (out.shape[-1],))
+    return out.reshape(-1, out.shape[-1])[:m].reshape(lead + (out.shape[-1],)).astype(out_type)
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -123,13 +135,15 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     position the numbers of a single step). Scores are soft-capped at `cap` (if any)
     before the mask, as Gemma 2 does."""
     neg = jnp.finfo(jnp.float32).min
-    if not per_row():
-        scores = softcap(jnp.einsum("btjge,bjse->bjgts", q, k_cache).astype(jnp.float32), cap)
-        scores = jnp.where(visible[:, None, None], scores, neg)
-        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        return jnp.einsum("bjgts,bjse->btjge", weights, v_cache)
     # The types jnp.einsum would promote to: a float16 cache is read as q's float32.
     dt = jnp.promote_types(q.dtype, k_cache.dtype)
+    wide = wide_type(dt)  # products of 16-bit operands in float32, rounded to dt after
+    if not per_row():
+        qw, kw, vw = (a.astype(dt).astype(wide) for a in (q, k_cache, v_cache))
+        scores = jnp.einsum("btjge,bjse->bjgts", qw, kw).astype(dt).astype(jnp.float32)
+        scores = jnp.where(visible[:, None, None], softcap(scores, cap), neg)
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype).astype(dt).astype(wide)
+        return jnp.einsum("bjgts,bjse->btjge", weights, vw).astype(dt)
     b, tile = q.shape[0], attention_tile(k_cache)
 
     def tiles(a):  # [B, ...] -> [B / tile, tile, ...], zero rows padded
@@ -137,17 +151,18 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         return a.reshape((-1, tile) + a.shape[1:])
 
     def one(q_t, keys, vals, vis_t):  # q_t [R, J, G, E], vis_t [R, S]
-        scores = jax.lax.dot_general(q_t.astype(dt), keys, (((3,), (3,)), ((0, 1), (0, 1))))
+        scores = jax.lax.dot_general(q_t, keys, (((3,), (3,)), ((0, 1), (0, 1)))).astype(dt)
         scores = jnp.where(vis_t[:, None, None], softcap(scores.astype(jnp.float32), cap), neg)
-        weights = softmax(scores).astype(q.dtype).astype(dt)
+        weights = softmax(scores).astype(q.dtype).astype(dt).astype(wide)
         return jax.lax.dot_general(weights, vals, (((3,), (2,)), ((0, 1), (0, 1))))
 
     def rows(args):
         q_r, keys, vals, vis_r = args  # q_r [R, T, J, G, E], vis_r [R, T, S]
-        keys, vals = keys.astype(dt), vals.astype(dt)
+        q_r = q_r.astype(dt).astype(wide)
+        keys, vals = keys.astype(dt).astype(wide), vals.astype(dt).astype(wide)
         out = jax.lax.map(lambda a: one(a[0], keys, vals, a[1]),
                           (jnp.swapaxes(q_r, 0, 1), jnp.swapaxes(vis_r, 0, 1)))
         return jnp.swapaxes(out, 0, 1)
 
     out = jax.lax.map(rows, tuple(map(tiles, (q, k_cache, v_cache, visible))))
-    return out.reshape((-1,) + out.shape[2:])[:b]
+    return out.reshape((-1,) + out.shape[2:])[:b].astype(dt)  # rounded here, not in the loop
