@@ -370,6 +370,18 @@ def test_generate_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
     assert obj["tree"] == "auto" and obj["k"] == -1
 
 
+def test_rounds_by_shape_orders_chains_then_trees():
+    """A tree-auto engine counts rounds under int K and tree names together: the bench's
+    row sorts them without comparing an int to a str (a crash once a tree ran)."""
+    import collections
+
+    from specsamp.analysis.throughput import rounds_by_shape
+
+    counts = collections.Counter({"2x1": 3, 4: 1, 0: 2, "2x1x1": 1, 2: 5})
+    assert list(rounds_by_shape(counts).items()) == [
+        ("0", 2), ("2", 5), ("4", 1), ("2x1", 3), ("2x1x1", 1)]
+
+
 @pytest.mark.slow
 def test_bench_throughput_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
     """`bench --throughput --tree auto` adds a setting of K `tree-auto` (the generator that

@@ -199,6 +199,13 @@ def _run_rates(runs: list[list[tuple[int, float]]]) -> list[list[float]]:
     return out
 
 
+def rounds_by_shape(k_rounds) -> dict[str, int]:
+    """An engine's rounds per shape (`Engine.k_rounds`: int K for chains, '2x1' for trees,
+    both under tree auto) keyed by the shape's text, chains by K first, then trees."""
+    order = sorted(k_rounds, key=lambda key: (isinstance(key, str), str(key).rjust(8)))
+    return {str(key): k_rounds[key] for key in order}
+
+
 def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
     decode = stats.ratio(m.generated, m.decode_s)
     base_decode = stats.ratio(base.generated, base.decode_s)
@@ -213,7 +220,7 @@ def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
         "prompts": m.prompts, "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated,
         "prefill_s": m.prefill_s, "decode_s": m.decode_s, "rounds": m.rounds,
         "tokens_per_slot_round": stats.ratio(m.generated, m.rounds * batch),
-        "k_rounds": {str(key): v for key, v in sorted(m.k_rounds.items())},
+        "k_rounds": rounds_by_shape(m.k_rounds),
     }
 
 
