@@ -67,7 +67,7 @@ def test_output_of_another_config_is_refused(setup, capsys):
     from schemas import ERRORS
     row = {f.name: None for f in ERRORS}
     row.update(id="a", error="x", error_kind="bad_row", dataset="p", mode="autoregressive", target="smollm2",
-               draft="none", k=0, temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
+               draft="none", k=0, tree="off", temperature=0.0, top_k=0, top_p=1.0, seed=1, run_id="r",
                config_hash="0123456789abcdef", worker_host="h", device_kind="", schema_version=1)
     pq.write_table(pa.Table.from_pylist([row], schema=ERRORS), str(root / "out" / "errors-r-00000-of-00001.parquet"))
     fails(capsys, config, match="holds rows of another config")
