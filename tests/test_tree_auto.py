@@ -18,8 +18,9 @@ from specsamp.decoding.config import AUTO_TREES, KChoice, SamplingParams, parse_
 from specsamp.decoding.costs import CostCurve
 from specsamp.decoding.engine import Continuous, Engine
 from specsamp.decoding.kpolicy import (
-    KPolicy, branch_counts, branch_rates, expected_tree_tokens, tree_widths,
+    KPolicy, branch_counts, branch_rates, expected_tree_tokens,
 )
+from specsamp.decoding.config import tree_widths
 from specsamp.decoding.tree import Tree
 from specsamp.errors import UserError
 from tests import tiny

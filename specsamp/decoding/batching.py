@@ -31,9 +31,9 @@ import numpy as np
 
 from specsamp.decoding import stats
 from specsamp.decoding.decode import Program, prefill_chunks
-from specsamp.decoding.config import shape_key
+from specsamp.decoding.config import shape_key, tree_widths
 from specsamp.decoding.costs import shape_program
-from specsamp.decoding.kpolicy import branch_counts, depth_counts, tree_widths
+from specsamp.decoding.kpolicy import branch_counts, depth_counts
 from specsamp.decoding.rounds import RawSample, from_log, round_logs
 from specsamp.decoding.shapes import prefill_groups, prompt_bucket, width_for
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS

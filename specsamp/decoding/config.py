@@ -115,10 +115,16 @@ AUTO_TREES = tuple(Tree.full(w) for w in ((2, 1), (2, 1, 1), (3, 1), (2, 2)))
 TREE_AUTO = KChoice(AUTO_K.ks, auto=True, trees=AUTO_TREES)
 
 
-def tree_text(tree: Tree) -> str:
-    """A full tree's widths per depth, '2x1' (`Tree.full`'s argument, `parse_tree`'s text)."""
+def tree_widths(tree: Tree) -> tuple[int, ...]:
+    """A full tree's children per node at each depth (`Tree.full`'s argument; 1 for every
+    depth of a chain)."""
     per_depth = np.bincount(tree.depth)[1:]
-    return "x".join(str(int(n // m)) for n, m in zip(per_depth, np.concatenate([[1], per_depth[:-1]])))
+    return tuple(int(n // m) for n, m in zip(per_depth, np.concatenate([[1], per_depth[:-1]])))
+
+
+def tree_text(tree: Tree) -> str:
+    """A full tree's widths per depth as `parse_tree` reads them, '2x1'."""
+    return "x".join(map(str, tree_widths(tree)))
 
 
 def shape_key(shape) -> int | str:

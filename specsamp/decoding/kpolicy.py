@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specsamp.decoding.config import shape_key, tree_text
+from specsamp.decoding.config import shape_key, tree_widths
 from specsamp.decoding.costs import CostCurve, cost_curve
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
@@ -55,11 +55,6 @@ def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.nda
     accepted = (d <= loops[:, None]).sum(axis=0).astype(float)
     tested = (d <= np.minimum(loops + 1, lengths)[:, None]).sum(axis=0).astype(float)
     return accepted, tested
-
-
-def tree_widths(tree: Tree) -> tuple[int, ...]:
-    """A full tree's children per node at each depth (1 for every depth of a chain)."""
-    return tuple(int(w) for w in tree_text(tree).split("x"))
 
 
 def branch_counts(accepted_per_loop, widths, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
