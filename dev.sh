@@ -4,7 +4,8 @@
 #                   SmolLM2-135M-Instruct, speculative and baseline) and print a summary
 #   ./dev.sh test   install, then run the whole test suite (what CI runs)
 #   ./dev.sh quick  install, then the fast lane: every test not marked slow (the exactness
-#                   tests on the tiny models included; see tests/conftest.py)
+#                   tests on the tiny models included; see tests/conftest.py), in two
+#                   processes ($SPECSAMP_TEST_WORKERS)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -57,7 +58,8 @@ case "${1:-}" in
   quick)
     setup
     shift
-    exec "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
+    # Two test processes (pytest-xdist): a tiny-model test keeps about one core busy.
+    exec "$VENV/bin/python" -m pytest -q -m "not slow" -n "${SPECSAMP_TEST_WORKERS:-2}" "$@"
     ;;
   *)
     echo "usage: ./dev.sh demo|test|quick [extra arguments]" >&2

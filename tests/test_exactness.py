@@ -28,12 +28,11 @@ N_TOKENS = 3
 
 
 @functools.cache
-def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under the target at `dtype`, by full forward passes over all
-    prefixes (XLA's attention, over keys and values rounded to the cache's type). Cached:
-    several tests compare with the same law; the array is read-only."""
-    from specsamp.decoding.sampling import probs_from_logits
-
+def _all_continuations(kv_dtype, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sequences [V^3, T]: PROMPT + every 3 tokens, the target's logits [V^3, T, V] at
+    `dtype` by one full forward pass over them, no cache, XLA's attention, over keys and
+    values rounded to the cache's type). One pass per cache type and dtype: the sampling
+    settings only transform the logits."""
     v = tiny.TARGET.vocab_size
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(v), repeat=N_TOKENS)])
     b, t = seqs.shape
@@ -41,12 +40,24 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np
     logits, _ = Transformer(tiny.TARGET).apply(
         {"params": tiny.at_dtype(tiny.target_params(), dtype)}, jnp.asarray(seqs), positions,
         init_cache(tiny.TARGET, b, t, kv_dtype))
+    return seqs, logits
+
+
+@functools.cache
+def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) under the target at `dtype`, from the logits of full forward
+    passes over all prefixes (`_all_continuations`). Cached: several tests compare with the
+    same law; the array is read-only."""
+    from specsamp.decoding.sampling import probs_from_logits
+
+    seqs, logits = _all_continuations(kv_dtype, dtype)
+    b = len(seqs)
     probs = np.asarray(probs_from_logits(logits, sp), np.float64)
     n = len(PROMPT)
     joint = np.ones(len(seqs))
     for i in range(N_TOKENS):
         joint *= probs[np.arange(b), n - 1 + i, seqs[:, n + i]]
-    joint = joint.reshape((v,) * N_TOKENS)
+    joint = joint.reshape((tiny.TARGET.vocab_size,) * N_TOKENS)
     joint.flags.writeable = False
     return joint
 
@@ -220,6 +231,38 @@ def test_sample_depends_only_on_its_seed_not_its_batch(drafter):
         alone = engine.run([prompt], [seed])[0]
         assert alone.token_ids == together.token_ids
         assert (alone.accepted, alone.calls) == (together.accepted, together.calls)
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_rows_that_share_a_prompt_are_prefilled_once_and_sample_as_alone(drafter):
+    """Rows with one prompt under many seeds are prefilled once and copied (`decode.insert`'s
+    source): each row's tokens and statistics equal the row run alone. Catches a copy that
+    keeps the prefilled row's seed instead of its own (every copy would sample alike), a
+    slot given another distinct prompt, and distinct prompts out of first-use order."""
+    import dataclasses
+
+    sp = SamplingParams(1.0, 0, 0.9)
+    engine = make_engine(sp, drafter, 3, max_new=12)
+    a, b, c = PROMPT, [5, 4], [7, 6, 5, 4, 3]
+    prompts = [b, a, a, c, a, b, a, a, a]
+    seeds = [3, 1, 2, 4, 5, 6, 7, 8, 9]
+    calls = []
+    insert = engine.insert
+
+    def spy(*args):
+        calls.append(args)
+        return insert(*args)
+
+    shared = dataclasses.replace(engine)
+    shared.insert = spy
+    batched = shared.run(prompts, seeds)
+    assert [len(args[2]) for args in calls] == [4]  # 3 distinct prompts in one call of 4 rows
+    assert calls[0][-1] is not None
+    for prompt, seed, together in zip(prompts, seeds, batched):
+        alone = engine.run([prompt], [seed])[0]
+        assert alone.token_ids == together.token_ids
+        assert (alone.accepted, alone.calls) == (together.accepted, together.calls)
+    assert len({tuple(r.token_ids) for r, p in zip(batched, prompts) if p == a}) > 1
 
 
 @pytest.mark.parametrize("drafter", ["model", "feature"])

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specsamp.decoding import stats
 from specsamp.decoding.decode import Program, prefill_chunks
 from specsamp.decoding.config import shape_key, tree_widths
 from specsamp.decoding.costs import shape_program
@@ -223,14 +222,25 @@ class _Run:
         row count."""
         b = len(self.slot_row)
         n = min(1 << (len(rows) - 1).bit_length(), b) if pad_rows else len(rows)
-        padded = np.zeros((n, self.width), np.int32)
-        lens, seeds = np.ones(n, np.int32), np.zeros(n, np.uint32)
-        where = np.full(n, b, np.int32)  # padding rows go to slot b: dropped
+        seeds, where = np.zeros(n, np.uint32), np.full(n, b, np.int32)  # padding rows: slot b, dropped
+        distinct: dict[tuple, int] = {}  # a prompt -> its row in the prefill call
+        source = np.zeros(n, np.int32)
         for j, (i, slot) in enumerate(zip(rows, slots)):
-            ids = self.prompts[i]
-            padded[j, : len(ids)], lens[j], seeds[j], where[j] = ids, len(ids), self.seeds[i], slot
+            source[j] = distinct.setdefault(tuple(self.prompts[i]), len(distinct))
+            seeds[j], where[j] = self.seeds[i], slot
+        # Rows that share a prompt (one prompt under many seeds) are prefilled once, in a
+        # call of a power of two rows, when that is fewer than n.
+        u = 1 << (len(distinct) - 1).bit_length()
+        if u < n:
+            prompts = list(distinct)  # in order of first use, as `source` numbers them
+        else:
+            u, source, prompts = n, None, [self.prompts[i] for i in rows]
+        padded, lens = np.zeros((u, self.width), np.int32), np.ones(u, np.int32)
+        for j, ids in enumerate(prompts):
+            padded[j, : len(ids)], lens[j] = ids, len(ids)
         t0 = time.perf_counter()
-        self.state, compiling = self.engine.insert(self.prog, self.state, padded, lens, seeds, where, chunks)
+        self.state, compiling = self.engine.insert(self.prog, self.state, padded, lens, seeds, where,
+                                                   chunks, source)
         jax.block_until_ready(self.state.length)
         seconds = time.perf_counter() - t0 - compiling
         self.compile_s += compiling
@@ -253,22 +263,26 @@ class _Run:
         st = self.state
         calls, log, widths = (np.asarray(a) for a in (st.calls, st.round_accepted, st.round_drafted))
         self.reason = np.array(st.stop_reason)
-        depth = self.engine.depth
-        for s in self.active():
-            # A round takes the same time for every row of the batch.
+        active = np.array(self.active(), int)
+        for s in active:  # a round takes the same time for every row of the batch
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
-            new, ks = log[s, self.calls[s] : calls[s]], widths[s, self.calls[s] : calls[s]]
-            loops = new[(new >= 0) & (ks == scored)]  # -1: a plain round
-            accepted, _, tested = stats.loop_counts(loops, k)
-            self.accepted[s] += accepted
-            self.tested[s] += tested
-            if tree is None:
-                counts = zip(depth, depth_counts(loops, k, len(depth[0])))
-            else:
-                table = self.engine.branches
-                counts = zip(table, branch_counts(loops, tree_widths(tree), table[0].shape))
-            for total, part in counts:
-                total += part
+        # Each active row's loops of this chunk (-1: a plain round), all rows at once.
+        log, widths = log[active], widths[active]
+        at = np.arange(log.shape[1])[None, :]
+        mine = (at >= self.calls[active][:, None]) & (at < calls[active][:, None])
+        counted = mine & (log >= 0) & (widths == scored)
+        accepted = np.where(counted, log, 0).sum(axis=1)
+        self.accepted[active] += accepted  # as `stats.loop_counts`, row by row
+        self.tested[active] += accepted + (counted & (log < k)).sum(axis=1)
+        loops = log[counted]  # the pooled counts are sums over loops: every row's together
+        if tree is None:
+            depth = self.engine.depth
+            counts = zip(depth, depth_counts(loops, k, len(depth[0])))
+        else:
+            table = self.engine.branches
+            counts = zip(table, branch_counts(loops, tree_widths(tree), table[0].shape))
+        for total, part in counts:
+            total += part
         self.calls = calls.astype(np.int64)
 
     def acceptance(self) -> tuple:

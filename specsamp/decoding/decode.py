@@ -192,11 +192,19 @@ def gather_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
 
 @jax.jit(static_argnames=("prog", "max_new"), donate_argnames=("state",))
 def insert(prog: Program, target_params, draft_params, state: DecodeState, prompts, lens, seeds,
-           slots, chunks, max_new: int) -> DecodeState:
+           slots, chunks, max_new: int, source=None) -> DecodeState:
     """Prefill prompts [n, P] (right-padded; lens [n], seeds [n]) into slots [n] of state,
-    in `chunks` passes (traced: at least every prompt's `prefill_chunks`)."""
-    fresh = new_state(prog, prompts, lens, max_new, seeds, state.tokens.shape[1])
+    in `chunks` passes (traced: at least every prompt's `prefill_chunks`).
+
+    source [n] (optional): rows that share a prompt are prefilled once. Then prompts [u, P]
+    and lens [u] are the distinct prompts and slot i takes prompt source[i], with its own
+    seeds[i]. A row's prefill does not depend on the call's other rows (`prefill`), so the
+    copy holds the bits that prefilling the row alone would give."""
+    seeds_u = seeds if source is None else jnp.zeros(prompts.shape[:1], jnp.uint32)
+    fresh = new_state(prog, prompts, lens, max_new, seeds_u, state.tokens.shape[1])
     fresh = prefill(prog, target_params, draft_params, fresh, chunks)
+    if source is not None:
+        fresh = gather_rows(fresh, source).replace(keys=jax.vmap(jax.random.PRNGKey)(seeds))
     return scatter_rows(state, fresh, slots)
 
 

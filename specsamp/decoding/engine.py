@@ -117,14 +117,18 @@ class Engine:
         return dict(target_params=self.target_params, draft_params=self.draft_params)
 
     def insert(self, prog: Program, state: DecodeState, prompts: np.ndarray, lens: np.ndarray,
-               seeds: np.ndarray, slots: np.ndarray, chunks: int) -> tuple[DecodeState, float]:
+               seeds: np.ndarray, slots: np.ndarray, chunks: int,
+               source: np.ndarray | None = None) -> tuple[DecodeState, float]:
         """Prefill prompts [n, P] (right-padded; lens [n], seeds [n] uint32) into state's
         rows `slots` [n] (a slot past the batch: a padding row, dropped) in `chunks` prefill
         passes (at least each prompt's `decode.prefill_chunks`). Every field of a slot is
-        replaced, so nothing of its previous occupant survives."""
+        replaced, so nothing of its previous occupant survives. With `source` [n], prompts
+        [u, P] and lens [u] are distinct prompts, each prefilled once, and slot i takes
+        prompt source[i] (`decode.insert`)."""
         traced = dict(self._params(), state=state, prompts=jnp.asarray(prompts),
                       lens=jnp.asarray(lens), seeds=jnp.asarray(seeds),
-                      slots=jnp.asarray(slots), chunks=jnp.int32(chunks))
+                      slots=jnp.asarray(slots), chunks=jnp.int32(chunks),
+                      source=None if source is None else jnp.asarray(source, jnp.int32))
         exe, seconds = compiled(decode.insert, dict(prog=prog, max_new=self.max_new_tokens), traced)
         return exe(**traced), seconds
 
