@@ -165,3 +165,25 @@ def test_a_small_predicted_gain_keeps_plain_rounds():
     assert KS[policy(more, tested)] == 1
     eager = KPolicy(policy.curve, KS, margin=0.0)
     assert KS[eager(few, tested)] == 1
+
+
+def test_a_close_plain_call_is_revisited_and_a_clear_one_is_not():
+    """Plain rounds test no draft, so a plain choice made on unlucky estimates would stand
+    for ever (a run at batch 1 once went plain after one hard prompt and stayed plain for
+    the rest of its 32). After `revisit` plain choices in a row, a chunk runs at the best
+    drafted K where it is predicted within `close` of plain rounds; where drafting loses
+    clearly it never does. Runs without the drafter (`fresh_choice` at K = 0) count as
+    plain choices, and the run after them keeps the drafter for its revisit. Catches a
+    policy that never revisits, one that revisits clear losses, and a revisit that fresh
+    runs skip."""
+    ks = (0, 1)
+    row, tested = np.array([20.0]), np.array([100.0])  # alpha ~0.21: K = 1 ~1.005x plain
+    close = KPolicy(CostCurve(1, {0: 1.0, 1: 1.2}), ks)
+    assert [ks[close(row, tested)] for _ in range(10)] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    clear = KPolicy(CostCurve(1, {0: 1.0, 1: 3.0}), ks)
+    assert [ks[clear(row, tested)] for _ in range(10)] == [0] * 10
+    # fresh rows at the prior alpha 0.5: K = 1 predicted 1.03x plain, within the margin
+    fresh = KPolicy(CostCurve(1, {0: 1.0, 1: 1.45}), ks)
+    assert [ks[fresh.fresh_choice()] for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert ks[fresh(np.zeros(1), np.zeros(1))] == 1  # the revisit runs in that run's first chunk
+    assert ks[fresh.fresh_choice()] == 0 and fresh.chosen == [1]

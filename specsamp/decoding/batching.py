@@ -77,9 +77,10 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
     fresh = getattr(engine.policy, "fresh_choice", None)
     if prog.drafter is not None and fresh is not None and engine.k.shapes[fresh(*_pooled(engine))] == 0:
         # The policy puts fresh rows at K = 0, and plain rounds test no draft, so every
-        # chunk of this run would choose K = 0 (`KPolicy.fresh_choice`): the run goes
-        # without the drafter, computing what the autoregressive engine computes (no
-        # drafter prefill, no drafter state), with the same tokens as plain rounds.
+        # chunk of this run would choose K = 0 (`KPolicy.fresh_choice`; a later run may
+        # revisit drafting): the run goes without the drafter, computing what the
+        # autoregressive engine computes (no drafter prefill, no drafter state), with the
+        # same tokens as plain rounds.
         prog = dataclasses.replace(prog, drafter=None)
     slots = n if isinstance(batching, Static) else batching.slots
     state = engine.empty(prog, slots, engine.slots_for(prompts))

@@ -25,6 +25,10 @@ counts as no better than one child, so each tree shape runs one chunk early on (
 for its estimate to move. A row's own rate scales them as it scales a chain's. A tree
 runs only where predicted faster than the best chain by `tree_margin`.
 
+Plain rounds test no draft, so a choice of plain rounds could never be undone by what the
+run shows. Where it was a close call (the best drafted shape predicted within `close`),
+every `revisit` plain choices in a row one chunk drafts again (`KPolicy._revisited`).
+
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
 the tests); greedy output is the same token for token. A sampled row's tokens for a given seed, however, depend
@@ -121,10 +125,18 @@ class KPolicy:
     # A tree only where predicted this much faster than the best chain (plain included):
     # the same curve error, and a tree's rates rest on fewer rounds than a chain's.
     tree_margin: float = 0.05
+    # Plain rounds test no draft, so a choice of plain rounds made on few or unlucky
+    # tested tokens (a hard prompt, a slow spell during the cost curve's measurement)
+    # would never be revisited. After `revisit` plain choices in a row, where the best
+    # drafted shape is predicted within `close` of plain rounds, one chunk runs at that
+    # shape so that its estimate can move; a clear loss is not re-tested.
+    revisit: int = 4
+    close: float = 0.10
 
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
         self.explored: set[int] = set()  # tree indices (into `shapes`) that ran a chunk
+        self.plain_run = 0  # plain choices in a row (`revisit`)
 
     @property
     def shapes(self) -> tuple:
@@ -172,7 +184,7 @@ class KPolicy:
         (`depth_counts`), or None for the plain model; branches: the tree rounds'
         (accepted, tested) by (depth, width) (`branch_counts`), with trees. Returns an
         index into `shapes`; a tree not yet run is chosen once wherever drafting is."""
-        best = self._best(accepted, tested, depth, branches)
+        best = self._revisited(*self._choice(accepted, tested, depth, branches))
         fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in self.explored]
         if fresh and self.shapes[best] != 0:
             best = fresh[0]
@@ -182,13 +194,34 @@ class KPolicy:
         return best
 
     def fresh_choice(self, depth=None, branches=None) -> int:
-        """The index chosen for rows none of which has tested a draft token yet (each at
-        the pooled prior), not recorded. A run whose first chunk this puts at K = 0 stays
-        there: plain rounds test no draft, so the choice's inputs never change (the
-        runner then runs it without the drafter, `batching.steps`)."""
-        return self._best(np.zeros(1), np.zeros(1), depth, branches)
+        """The index for rows none of which has tested a draft token yet (each at the
+        pooled prior); not in `chosen`. A run this puts at K = 0 runs without the drafter
+        (`batching.steps`): plain rounds test no draft, so its chunks' choices could not
+        change. Such a run counts as a plain choice towards `revisit`, so that a later
+        run comes back to drafting (its first chunk) where the call was close."""
+        best, due = self._plain_or_revisit(*self._choice(np.zeros(1), np.zeros(1), depth, branches))
+        if self.shapes[best] == 0:
+            self.plain_run += 1
+        return due if due is not None else best
 
-    def _best(self, accepted, tested, depth, branches=None) -> int:
+    def _revisited(self, best: int, speeds: list[float]) -> int:
+        """`best`, or the best drafted shape where `revisit` plain choices in a row came
+        before and it is predicted within `close` of plain rounds."""
+        best, due = self._plain_or_revisit(best, speeds)
+        self.plain_run = self.plain_run + 1 if self.shapes[best] == 0 and due is None else 0
+        return due if due is not None else best
+
+    def _plain_or_revisit(self, best: int, speeds: list[float]) -> tuple[int, int | None]:
+        """(best, the drafted shape a revisit is due at, or None)."""
+        if self.shapes[best] != 0 or self.plain_run < self.revisit:
+            return best, None
+        top = max((i for i, shape in enumerate(self.shapes) if shape != 0), key=speeds.__getitem__,
+                  default=None)
+        close = top is not None and speeds[top] >= (1 - self.close) * speeds[best]
+        return best, top if close else None
+
+    def _choice(self, accepted, tested, depth, branches=None) -> tuple[int, list[float]]:
+        """(the index of the predicted fastest shape, every shape's predicted speed)."""
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
         if self.trees:  # chains and trees from one table: the chains' positions are width 1
             deep = self._deepest()
@@ -206,8 +239,8 @@ class KPolicy:
         if self.trees:
             top = len(self.ks) + int(np.argmax(speeds[len(self.ks):]))
             if speeds[top] > (1 + self.tree_margin) * max(chains[best], plain):
-                return top
-        return best
+                return top, speeds
+        return best, speeds
 
     def _deepest(self) -> int:
         return max(tuple(self.ks) + tuple(t.max_depth for t in self.trees))
