@@ -89,6 +89,11 @@ class Program:
         return max(self.k, wide.k if wide is not None else 0, self.tree.size if self.tree else 0)
 
 
+def row_keys(seeds: jax.Array) -> jax.Array:
+    """Each row's random key from its seed [B] uint32 (`state.round_keys` folds it)."""
+    return jax.vmap(jax.random.PRNGKey)(seeds)
+
+
 def new_state(
     prog: Program, prompts: jax.Array, prompt_len: jax.Array, max_new: int, seeds: jax.Array,
     slots: int,
@@ -101,7 +106,7 @@ def new_state(
         length=prompt_len.astype(jnp.int32),
         prompt_len=jnp.array(prompt_len, jnp.int32),  # its own buffer: states are donated
         max_len=prompt_len.astype(jnp.int32) + max_new,
-        keys=jax.vmap(jax.random.PRNGKey)(seeds),
+        keys=row_keys(seeds),
         stop_reason=jnp.full((b,), RUNNING, jnp.int32),
         calls=jnp.zeros((b,), jnp.int32),
         round_tokens=jnp.zeros((b, max_new), jnp.int32),
@@ -204,7 +209,7 @@ def insert(prog: Program, target_params, draft_params, state: DecodeState, promp
     fresh = new_state(prog, prompts, lens, max_new, seeds_u, state.tokens.shape[1])
     fresh = prefill(prog, target_params, draft_params, fresh, chunks)
     if source is not None:
-        fresh = gather_rows(fresh, source).replace(keys=jax.vmap(jax.random.PRNGKey)(seeds))
+        fresh = gather_rows(fresh, source).replace(keys=row_keys(seeds))
     return scatter_rows(state, fresh, slots)
 
 

@@ -199,26 +199,26 @@ class KPolicy:
         (`batching.steps`): plain rounds test no draft, so its chunks' choices could not
         change. Such a run counts as a plain choice towards `revisit`, so that a later
         run comes back to drafting (its first chunk) where the call was close."""
-        best, due = self._plain_or_revisit(*self._choice(np.zeros(1), np.zeros(1), depth, branches))
+        best, speeds = self._choice(np.zeros(1), np.zeros(1), depth, branches)
+        due = self._revisit_due(best, speeds)
         if self.shapes[best] == 0:
             self.plain_run += 1
-        return due if due is not None else best
+        return best if due is None else due
 
     def _revisited(self, best: int, speeds: list[float]) -> int:
         """`best`, or the best drafted shape where `revisit` plain choices in a row came
         before and it is predicted within `close` of plain rounds."""
-        best, due = self._plain_or_revisit(best, speeds)
+        due = self._revisit_due(best, speeds)
         self.plain_run = self.plain_run + 1 if self.shapes[best] == 0 and due is None else 0
-        return due if due is not None else best
+        return best if due is None else due
 
-    def _plain_or_revisit(self, best: int, speeds: list[float]) -> tuple[int, int | None]:
-        """(best, the drafted shape a revisit is due at, or None)."""
+    def _revisit_due(self, best: int, speeds: list[float]) -> int | None:
+        """The drafted shape a revisit is due at instead of `best`, or None."""
         if self.shapes[best] != 0 or self.plain_run < self.revisit:
-            return best, None
+            return None
         top = max((i for i, shape in enumerate(self.shapes) if shape != 0), key=speeds.__getitem__,
                   default=None)
-        close = top is not None and speeds[top] >= (1 - self.close) * speeds[best]
-        return best, top if close else None
+        return top if top is not None and speeds[top] >= (1 - self.close) * speeds[best] else None
 
     def _choice(self, accepted, tested, depth, branches=None) -> tuple[int, list[float]]:
         """(the index of the predicted fastest shape, every shape's predicted speed)."""
