@@ -13,7 +13,7 @@ import pytest
 
 from schemas import COMPLETIONS
 from specsamp import cli
-from specsamp.analysis import outputs, report
+from specsamp.analysis import outputs, report, report_text
 from specsamp.errors import UserError
 from tests.synthetic_tables import completion_row, error_row, random_rows, write, write_errors
 
@@ -95,7 +95,7 @@ def test_single_sample_group(sweep):
     assert g.ms_per_token.p99 == pytest.approx(single[0]["ms_per_token"])
     assert g.speedup.low is None and g.speedup.high is None
     assert g.acceptance_by_position == [2 / 3, 1 / 3]
-    text = report.render(groups)
+    text = report_text.render(groups)
     assert "n/a" in text and "speculative" in text
     json.dumps(report.to_json(groups))
 
@@ -136,7 +136,7 @@ def test_error_rows_counted_per_group(tmp_path):
     assert groups[("speculative", 3)].samples == 0
     assert groups[("speculative", 3)].errors == {"generation_failed": 1}
     assert groups[("autoregressive", 0)].errors == {}
-    text = report.render(list(groups.values()))
+    text = report_text.render(list(groups.values()))
     assert "generation_failed 1" in text and "too_long 2" in text
 
 
@@ -344,12 +344,12 @@ def test_tree_groups_show_accepted_depth_histogram_and_nodes(tmp_path, tmp_path_
         before.accepted_histogram, before.alpha, before.samples)
     assert after.nodes_per_round is None
 
-    text = report.render(groups)
+    text = report_text.render(groups)
     section = text[text.index("Token trees"):].splitlines()
     [line] = [s for s in section if "2x1" in s]
     counts = " ".join(str(depths.count(d)) for d in range(3))
     assert line.split()[-5:] == [str(len(depths)), "4.00", *counts.split()]
-    assert "Token trees" not in report.render(only_chain) and "tree" not in report.render(only_chain)
+    assert "Token trees" not in report_text.render(only_chain) and "tree" not in report_text.render(only_chain)
     summary = run_summary(str(tmp_path)).text()
     assert any(line.startswith("speculative") and " tree 2x1 " in line for line in summary.splitlines())
     assert cli.main(["report", str(tmp_path), "--json"]) == 0

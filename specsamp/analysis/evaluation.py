@@ -41,7 +41,7 @@ import os
 import re
 import textwrap
 
-from specsamp.analysis import differential, report
+from specsamp.analysis import differential, report, report_text
 from specsamp.analysis.sandbox import ISOLATION_ORDER, Limits, Sandbox, choose_sandbox
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -299,23 +299,23 @@ def render(groups: list[GroupScores], isolation: str) -> str:
         return "no rows"
     keys = list(groups[0].key)
     metrics = [m for m in ("pass@1", *ROUGE_TYPES) if any(m in g.per_id for g in groups)]
-    rows = [[*report.key_cells(g.key), str(g.samples),
+    rows = [[*report_text.key_cells(g.key), str(g.samples),
              *[_estimate_cell(mean_ci(g.id_means(m).values())) if m in g.per_id else "" for m in metrics],
              str(g.timed_out), str(g.unscored)] for g in groups]
     parts = ["Quality (mean over prompt ids [95% CI])",
-             report.format_table(keys + ["n", *metrics, "timed out", "unscored"], rows)]
+             report_text.format_table(keys + ["n", *metrics, "timed out", "unscored"], rows)]
     pairs = parity(groups)
     if pairs:
-        prow = [[*report.key_cells(p["group"]), p["metric"], f"{p['speculative']:.3f}",
+        prow = [[*report_text.key_cells(p["group"]), p["metric"], f"{p['speculative']:.3f}",
                  f"{p['autoregressive']:.3f}", _estimate_cell(p["difference"], signed=True),
                  str(p["difference"]["n"]), p["statement"]] for p in pairs]
         parts += ["", "Parity (speculative - autoregressive, paired by prompt id, 95% CI)",
-                  report.format_table(keys + ["metric", "speculative", "autoregressive",
+                  report_text.format_table(keys + ["metric", "speculative", "autoregressive",
                                               "difference", "pairs", "statement"], prow)]
     disagree = [(g, d) for g in groups for d in g.disagree]
     if disagree:
         parts += ["", "Differential and plain HumanEval verdicts disagree (pass@1 counts a pass only when both pass):"]
-        parts += [f"  {' '.join(report.key_cells(g.key))}  {d['id']}: differential "
+        parts += [f"  {' '.join(report_text.key_cells(g.key))}  {d['id']}: differential "
                   f"{'pass' if d['differential'] else 'fail'}, check {'pass' if d['humaneval_check'] else 'fail'}"
                   for g, d in disagree]
     if isolation:

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    from specsamp.analysis import outputs, report
+    from specsamp.analysis import outputs, report, report_text
 
     by = report.parse_by(args.by)
     con = outputs.connect(outputs.resolve(args.tables))
@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(groups), indent=2))
     else:
-        print(report.render(groups))
+        print(report_text.render(groups))
     if args.plot:
         from specsamp.analysis import plots
 
