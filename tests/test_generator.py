@@ -2,6 +2,7 @@
 
 import pytest
 
+from specsamp.compilation import forget_executables
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.generator import GeneratorSpec, load_generator
 from specsamp.testing import make_tiny_checkpoint
@@ -82,6 +83,7 @@ def test_compilation_is_timed_apart(target):
     """A batch that meets new shapes reports its compile seconds on its first row only;
     a later batch of the same shapes compiles nothing. Catches compilation left inside
     prefill_s / decode_s (compile_s would then be 0 everywhere)."""
+    forget_executables()  # an earlier test in this process may have met these shapes
     gen = _gen(target, draft="ngram", k=2, max_new_tokens=20, batch_size=2)
     first = gen.generate(["a b c", "d e"], [1, 2])
     again = gen.generate(["f g h", "i"], [3, 4])
