@@ -171,7 +171,10 @@ class DaskTarget:
         if "deserializ" in str(e) or (isinstance(e, ModuleNotFoundError) and e.name in _OURS):
             return UserError(f"the Dask cluster cannot load this job's code ({reason}): install specsamp, "
                              "the same version as here, where the scheduler and the workers run")
-        if self.client.status != "running" or not _within(10, lambda: self.client.scheduler_info(n_workers=0)):
+        # A request to the scheduler, not Client.scheduler_info: that one swallows a closed
+        # connection and returns its cached reply, so a scheduler just lost looked alive.
+        if self.client.status != "running" or not _within(
+                10, lambda: self.client.sync(self.client.scheduler.identity, n_workers=0)):
             return RunFailed(f"lost the Dask scheduler at {self._address} ({reason}); {keep}")
         return None  # a bug: it keeps its traceback
 
