@@ -85,11 +85,9 @@ class Engine:
         return self.prog.target.max_seq_len - self.max_new_tokens - max(self.k.span, self.prog.span) - 2
 
     def slots_for(self, prompts: Sequence[Sequence[int]]) -> int:
-        """Cache slots per row for a run of `prompts` (one size for every slot), a multiple
-        of 32. The native attention reads each row's slots up to its position only, so unused
-        slots cost memory there; XLA's attention computes over all of them."""
+        """Cache slots per row for a run of `prompts` (one size for every slot)."""
         need = width_for(prompts) + self.max_new_tokens + max(self.k.span, self.prog.span) + 2
-        return -(-need // 32) * 32
+        return -(-need // 128) * 128
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if not ids:
