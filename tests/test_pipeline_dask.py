@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pyarrow.parquet as pq
 import pytest
@@ -232,34 +233,37 @@ def _stop(procs) -> None:
         p.wait()
 
 
-@pytest.mark.slow
+class _ClientBeforeItNotices:
+    """A Dask client whose scheduler has just died, at the moment before the client notices:
+    its status still says "running"; a request to the scheduler fails with a closed
+    connection; `scheduler_info` answers from its cache (distributed's
+    `Client._update_scheduler_info` swallows the OSError), as a real one did (a dask
+    scheduler killed under a connected client: `scheduler_info` returned, a request failed)."""
+
+    status = "running"
+    scheduler = types.SimpleNamespace(identity=None)
+
+    def sync(self, fn, *args, **kwargs):
+        raise OSError("Stream is closed")
+
+    def scheduler_info(self, n_workers=-1):
+        return {"type": "Scheduler", "workers": {}}
+
+
 def test_a_lost_scheduler_is_told_while_the_client_still_says_running(tmp_path):
     """The race behind a traceback seen once in CI at the end of the test below: the job's
     futures ended cancelled while the client still said "running", and the check that the
-    scheduler answers (Client.scheduler_info, which returns its cached reply when the
+    scheduler answers (then Client.scheduler_info, which returns its cached reply when the
     connection is closed) passed, so the failure was taken for a bug. The launcher must say
-    it lost the scheduler. Catches the cached check put back."""
-    import types
-
-    from distributed import Client
-
+    it lost the scheduler. Catches the cached check put back (the race itself happened in
+    about 2 of 3 tries on a real cluster, so the client is held at that moment here)."""
     from specsamp.errors import RunFailed
 
-    port = _free_port()
-    cluster = _start_cluster(port)
-    try:
-        client = Client(f"tcp://127.0.0.1:{port}", timeout=60)
-        target = object.__new__(dask_cluster.DaskTarget)
-        target.client, target._address = client, f"tcp://127.0.0.1:{port}"
-        target._plan = types.SimpleNamespace(cfg=types.SimpleNamespace(output=str(tmp_path)))
-        assert target._failure(dask_cluster._Unfinished("ended cancelled")) is None  # alive: a bug
-        _stop(cluster[:1])
-        client.status = "running"  # the moment before the client notices
-        failure = target._failure(dask_cluster._Unfinished("the job's futures ended cancelled"))
-        assert isinstance(failure, RunFailed) and "lost the Dask scheduler" in str(failure)
-        client.close(timeout=5)
-    finally:
-        _stop(cluster)
+    target = object.__new__(dask_cluster.DaskTarget)
+    target.client, target._address = _ClientBeforeItNotices(), "tcp://127.0.0.1:8786"
+    target._plan = types.SimpleNamespace(cfg=types.SimpleNamespace(output=str(tmp_path)))
+    failure = target._failure(dask_cluster._Unfinished("the job's futures ended cancelled"))
+    assert isinstance(failure, RunFailed) and "lost the Dask scheduler" in str(failure)
 
 
 @pytest.mark.slow
