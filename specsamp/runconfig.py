@@ -18,7 +18,7 @@ import json
 import os
 
 from specsamp.decoding.config import (
-    AUTO_K, DRAFT_FORMS, TREE_AUTO, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
+    AUTO_K, BRANCH_DRAFTS, DRAFT_FORMS, TREE_AUTO, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
 )
 from specsamp.errors import UserError
 
@@ -277,7 +277,7 @@ def _check_tree_drafter(setting: Setting, target: str | None, where: str) -> Non
     shown = setting.draft if draft == setting.draft else f"{setting.draft} ({draft})"
     if kind not in TREE_DRAFTS:
         raise UserError(f"{where}: tree {setting.tree}: {no_tree_drafter(f'drafter {shown}')}")
-    if kind == "ngram" and setting.tree != "auto":  # auto: the trees of branches only
+    if kind in BRANCH_DRAFTS and setting.tree != "auto":  # auto: the trees of branches only
         from specsamp.decoding.lookup import NgramDrafter
 
         try:

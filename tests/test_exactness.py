@@ -9,6 +9,7 @@ suite is deterministic). Greedy checks demand token-for-token equality.
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,7 +53,8 @@ def exact_joint(sp: SamplingParams, kv_dtype=jnp.float32, dtype="float32") -> np
 
     seqs, logits = _all_continuations(kv_dtype, dtype)
     b = len(seqs)
-    probs = np.asarray(probs_from_logits(logits, sp), np.float64)
+    # One compiled program, not op by op (tens of small eager compilations per law).
+    probs = np.asarray(jax.jit(probs_from_logits, static_argnums=1)(logits, sp), np.float64)
     n = len(PROMPT)
     joint = np.ones(len(seqs))
     for i in range(N_TOKENS):

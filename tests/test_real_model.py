@@ -1,5 +1,6 @@
 """Speculative decoding on the embedded SmolLM2-135M-Instruct: greedy output is
-token-for-token the autoregressive output, with every drafter (slow: real weights)."""
+token-for-token the autoregressive output, with every drafter, in chains and in token
+trees (slow: real weights)."""
 
 import jax
 import pytest
@@ -8,6 +9,7 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
 from specsamp.decoding.factory import DraftWeights, build_drafter, file_loader
+from specsamp.decoding.tree import Tree
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +24,9 @@ def _prompt_ids(smollm2):
     return [smollm2.tokenizer.encode(p) for p in PROMPTS]
 
 
-def _run(smollm2, drafter=None, draft_params=None):
+def _run(smollm2, drafter=None, draft_params=None, tree=None):
     sp = SamplingParams(0.0)
-    engine = Engine(Program(smollm2.cfg, sp, drafter), smollm2.params, draft_params,
+    engine = Engine(Program(smollm2.cfg, sp, drafter, tree=tree), smollm2.params, draft_params,
                     eos_ids=tuple(smollm2.tokenizer.eos_ids), max_new_tokens=MAX_NEW)
     return engine.run(_prompt_ids(smollm2), [0, 1])
 
@@ -64,3 +66,19 @@ def test_greedy_speculative_equals_autoregressive(smollm2, baseline, drafter):
         code = spec[0]
         assert len(code.token_ids) / code.calls > 1.5
         assert code.calls < code.draft_calls  # the model drafted in some rounds
+
+
+@pytest.mark.parametrize("draft,widths", [
+    ("ngram", (3, 1, 1)), ("early-exit:2", (2, 2)), ("smollm2-feature", (2, 2, 1)),
+    ("ngram+smollm2-feature", (2, 1, 1)),  # the hybrid, `--draft auto`'s drafter here
+])
+def test_greedy_tree_equals_autoregressive(smollm2, baseline, draft, widths):
+    """Every tree drafter on the real weights: the tree's greedy output is the
+    autoregressive output token for token, and a tree round kept a node somewhere."""
+    tree = Tree.full(widths)
+    d, dp = build_drafter(draft, tree.max_depth, SamplingParams(0.0), smollm2.cfg, smollm2.params,
+                          file_loader(smollm2))
+    spec = _run(smollm2, d, dp, tree)
+    for s, a in zip(spec, baseline):
+        assert s.token_ids == a.token_ids
+    assert sum(sum(s.accepted) for s in spec) > 0

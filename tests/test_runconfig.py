@@ -224,32 +224,36 @@ def test_tree_auto_is_a_k_auto_setting_of_its_own():
 
 
 def test_tree_needs_a_drafter_that_drafts_trees(tmp_path, monkeypatch):
-    """A hybrid drafts no trees (the generator refuses it when it loads); the config refuses
-    it up front, also where `draft: auto` resolves to one."""
+    """A hybrid drafts the lookup's trees of branches (and no other shape); the config
+    refuses the others up front, also where `draft: auto` resolves to a hybrid."""
     from specsamp.decoding import drafts
 
     (tmp_path / "feature").mkdir()
     hybrid = f"ngram+{tmp_path / 'feature'}"
-    with pytest.raises(UserError, match="drafter that drafts trees.*does not"):
-        make(settings=[{"draft": hybrid, "tree": "2x1"}])
-    with pytest.raises(UserError, match="drafter that drafts trees.*does not"):
-        make(settings=[{"draft": hybrid, "tree": "auto"}])
+    assert make(settings=[{"draft": hybrid, "tree": "2x1"}]).settings[0].tree == "2x1"
+    assert make(settings=[{"draft": hybrid, "tree": "auto"}]).settings[0].tree == "auto"
+    with pytest.raises(UserError, match="trees of branches"):
+        make(settings=[{"draft": hybrid, "tree": "2x2"}])
     monkeypatch.setattr(drafts, "default_draft", lambda target: hybrid)
-    with pytest.raises(UserError, match=r"drafter auto \(ngram\+"):
-        make(settings=[{"draft": "auto", "tree": "2x1"}])
+    with pytest.raises(UserError, match=r"drafter auto \(ngram\+.*trees of branches"):
+        make(settings=[{"draft": "auto", "tree": "2x2"}])
+    assert make(settings=[{"draft": "auto", "tree": "3x1"}]).settings[0].tree == "3x1"
     monkeypatch.setattr(drafts, "default_draft", lambda target: "ngram")
     assert make(settings=[{"draft": "auto", "tree": "2x1"}]).settings[0].tree == "2x1"
 
 
 def test_tree_drafts_are_the_drafters_that_draft_trees():
-    """TREE_DRAFTS (what a config accepts) names the drafter kinds with propose_tree."""
-    from specsamp.decoding.config import TREE_DRAFTS
+    """TREE_DRAFTS (what a config accepts) names the drafter kinds with propose_tree, and
+    BRANCH_DRAFTS those whose check_tree allows trees of branches only."""
+    from specsamp.decoding.config import BRANCH_DRAFTS, TREE_DRAFTS
     from specsamp.decoding.drafters import FeatureDrafter, ModelDrafter
     from specsamp.decoding.lookup import HybridDrafter, NgramDrafter
 
-    assert set(TREE_DRAFTS) == {"model", "early-exit", "ngram"}
-    assert all(hasattr(c, "propose_tree") for c in (ModelDrafter, FeatureDrafter, NgramDrafter))
-    assert not hasattr(HybridDrafter, "propose_tree")
+    assert set(TREE_DRAFTS) == {"model", "early-exit", "ngram", "hybrid"}
+    assert all(hasattr(c, "propose_tree") for c in (ModelDrafter, FeatureDrafter, NgramDrafter, HybridDrafter))
+    assert set(BRANCH_DRAFTS) == {"ngram", "hybrid"}
+    assert all(hasattr(c, "check_tree") for c in (NgramDrafter, HybridDrafter))
+    assert not any(hasattr(c, "check_tree") for c in (ModelDrafter, FeatureDrafter))
 
 
 def test_tree_reaches_the_generator():

@@ -277,13 +277,12 @@ def test_n_gram_tree_auto_shapes_are_branches():
     ngram, _ = tiny.drafter("ngram", 3, sp)
     assert trees_for(ngram, AUTO_TREES) == tuple(parse_tree(w) for w in ("2x1", "2x1x1", "3x1"))
     hybrid, _ = tiny.drafter("ngram+tiny-feature-reduced", 3, sp)
-    with pytest.raises(UserError, match="drafts trees"):
-        trees_for(hybrid, AUTO_TREES)
+    assert trees_for(hybrid, AUTO_TREES) == trees_for(ngram, AUTO_TREES)
 
 
 def test_generator_spec_tree_auto(tmp_path):
-    """`GeneratorSpec(tree='auto')`: k auto with the trees (whatever k says); no drafter or
-    a hybrid is one UserError."""
+    """`GeneratorSpec(tree='auto')`: k auto with the trees (whatever k says), a hybrid's
+    too; no drafter is one UserError."""
     from specsamp.decoding.config import TREE_AUTO
     from specsamp.decoding.generator import GeneratorSpec
 
@@ -292,8 +291,8 @@ def test_generator_spec_tree_auto(tmp_path):
     with pytest.raises(UserError, match="needs a drafter"):
         GeneratorSpec(draft="none", tree="auto")
     (tmp_path / "feature").mkdir()
-    with pytest.raises(UserError, match="drafts trees"):
-        GeneratorSpec(draft=f"ngram+{tmp_path / 'feature'}", tree="auto")
+    spec = GeneratorSpec(draft=f"ngram+{tmp_path / 'feature'}", tree="auto")
+    assert (spec.k, spec.draft_k) == ("auto", TREE_AUTO)
 
 
 # -- sampling --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from specsamp.decoding import tree_draft
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
+from specsamp.decoding.lookup import HybridDrafter
 from specsamp.decoding.tree import Tree
 from specsamp.errors import UserError
 from tests import tiny
@@ -43,6 +44,9 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     ("tiny-feature", Tree.chain(2), False),
     ("ngram", Tree.full((3, 1, 1)), None),
     ("ngram:2", Tree.full((2, 1, 1, 1)), False),
+    # a hybrid: lookup's branches on rows with a match, the feature draft's tree elsewhere
+    ("ngram+tiny-feature-reduced", Tree.full((2, 1, 1)), None),
+    ("ngram+tiny-feature", Tree.full((3, 1)), False),
 ]
 
 
@@ -70,6 +74,8 @@ SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
     ("tiny-feature-reduced", Tree.full((2, 2)), 0.7, 0, 0.9),
     ("ngram", Tree.full((3, 1)), 1.0, 0, 1.0),
     ("ngram", Tree.full((2, 1, 1)), 0.7, 0, 0.9),
+    ("ngram+tiny-feature-reduced", Tree.full((2, 1)), 1.0, 0, 1.0),
+    ("ngram+tiny-feature", Tree.full((3, 1, 1)), 0.7, 0, 0.9),
 ]
 
 
@@ -102,11 +108,34 @@ def test_the_tree_check_fails_children_misdescribed(monkeypatch):
     assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
 
 
+_HYBRID_TREE = HybridDrafter.propose_tree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["lookup rows as draws", "rows swapped"])
+def test_the_tree_check_fails_a_hybrid_rows_rule_misstated(monkeypatch, fault):
+    """A hybrid tree's rows follow two rules: lookup rows FIXED, the model's rows its draws
+    (`TreeProposal.fixed_rows`). Judging the lookup rows as the model's draws (the field
+    dropped) or each row by the other's rule is not exact: the chi-square rejects both."""
+    def misstated(self, *args):
+        proposal = _HYBRID_TREE(self, *args)
+        rows = None if fault == "lookup rows as draws" else ~proposal.fixed_rows
+        return proposal._replace(fixed_rows=rows)
+
+    monkeypatch.setattr(HybridDrafter, "propose_tree", misstated)
+    sp = SamplingParams(1.0)
+    counts, _ = sample_counts(tree_engine(sp, "ngram+tiny-feature-reduced", Tree.full((2, 1))))
+    assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
+
+
 def test_trees_need_a_tree_drafter_and_level_order():
     sp = SamplingParams(0.0)
-    drafter, _ = tiny.drafter("ngram+tiny-feature-reduced", 2, sp)
     with pytest.raises(UserError, match="drafts trees"):
-        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 1)))
+        Program(tiny.TARGET, sp, None, tree=Tree.full((2, 1)))
+    drafter, _ = tiny.drafter("ngram+tiny-feature-reduced", 2, sp)
+    with pytest.raises(UserError, match="trees of branches"):
+        Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 2)))
+    assert Program(tiny.TARGET, sp, drafter, tree=Tree.full((3, 1))).k == 2
     drafter, _ = tiny.drafter("ngram", 2, sp)
     with pytest.raises(UserError, match="trees of branches"):
         Program(tiny.TARGET, sp, drafter, tree=Tree.full((2, 2)))

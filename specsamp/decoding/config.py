@@ -211,14 +211,16 @@ def parse_tree(value) -> Tree | None:
 
 
 # The `parse_draft` kinds whose drafters draft token trees (`propose_tree`): every kind
-# but the baseline and a hybrid. N-gram lookup drafts branches only (`NgramDrafter.check_tree`).
-TREE_DRAFTS = ("model", "early-exit", "ngram")
+# but the baseline. N-gram lookup, and so a hybrid, drafts branches only
+# (`NgramDrafter.check_tree`).
+TREE_DRAFTS = ("model", "early-exit", "ngram", "hybrid")
+BRANCH_DRAFTS = ("ngram", "hybrid")
 
 
 def no_tree_drafter(what: str) -> str:
     """The message for a token tree asked of `what` (a drafter that drafts no trees)."""
     return (f"token trees need a drafter that drafts trees (a draft model, early exit, feature "
-            f"draft or ngram); {what} does not")
+            f"draft, ngram or ngram+<draft>); {what} does not")
 
 
 DRAFT_FORMS = "'auto', 'none', 'ngram[:N]', 'early-exit:L', a path, a shipped draft name, or 'ngram+<draft>'"

@@ -16,7 +16,7 @@ import jax
 
 from specsamp.decoding.config import (
     TREE_AUTO, KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k,
-    no_tree_drafter, parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, trees_for,
+    parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, trees_for,
 )
 from specsamp.decoding.costs import measure_cost_ratio
 from specsamp.decoding.decode import Program
@@ -69,7 +69,7 @@ class GeneratorSpec:
     # 'off' (chains of k) or a token tree's widths per depth, 'W1xW2x...' (`config.parse_tree`):
     # every drafted round drafts and scores that tree, K = its depth (k is then not read);
     # or 'auto': the K policy picks a chain's K or one of `config.AUTO_TREES` per chunk
-    # (k is then auto; n-gram lookup weighs the trees of branches only).
+    # (k is then auto; n-gram lookup and a hybrid weigh the trees of branches only).
     tree: str = "off"
     draft_k: KChoice = dataclasses.field(init=False, repr=False, compare=False)  # k, parsed
     draft_tree: Tree | None = dataclasses.field(init=False, repr=False, compare=False)  # tree, parsed
@@ -78,9 +78,7 @@ class GeneratorSpec:
         if self.tree == "auto":
             kind = parse_draft(self.draft)[0]
             if kind == "none":
-                raise UserError("--tree auto needs a drafter: give --draft (a draft model, early-exit:L or ngram)")
-            if kind == "hybrid":
-                raise UserError(no_tree_drafter(f"a hybrid drafter ({self.draft})") + " (--tree auto)")
+                raise UserError("--tree auto needs a drafter: give --draft (a draft model, early-exit:L, ngram or ngram+<draft>)")
             object.__setattr__(self, "k", "auto")
         object.__setattr__(self, "draft_tree", None if self.tree == "auto" else parse_tree(self.tree))
         if self.draft_tree is not None:

@@ -21,7 +21,7 @@ from specsamp.decoding.drafters import FeatureDrafter, FeatureState, Proposal
 from specsamp.decoding.state import RUNNING, DecodeState, cond_in_place
 from specsamp.decoding.tree import Tree
 from specsamp.decoding.tree_acceptance import Children
-from specsamp.decoding.tree_draft import TreeProposal
+from specsamp.decoding.tree_draft import TreeProposal, children_mode
 from specsamp.errors import UserError
 from specsamp.models import ModelConfig
 
@@ -213,3 +213,39 @@ class HybridDrafter:
                                      (lookup.draft, lookup.p, state.draft))
         calls = jnp.where(found, 1, self.k).astype(jnp.int32)
         return Proposal(draft, p, fs, None, calls)
+
+    def check_tree(self, tree: Tree) -> None:
+        """The lookup's shapes: trees of branches (`NgramDrafter.check_tree`)."""
+        self.ngram.check_tree(tree)
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
+        """A row with a lookup match drafts the lookup's tree (its best matches as
+        branches, `Children.FIXED`); a row without one, the model's tree (its children
+        drawn as the model drafts them). Which one is decided by the row's own tokens
+        before anything is drawn, and the proposal says it (`TreeProposal.fixed_rows`), so
+        each row is accepted by the rule of how its children came: exact either way. When
+        every running row has a match the model's tree is skipped; only its first call
+        runs (its cache keeps up with the accepted tokens, as in chain rounds)."""
+        self.check_tree(tree)
+        lookup = self.ngram.propose_tree(None, state, keys, tree)
+        found = lookup.tokens[:, 0] >= 0  # node 0 is the best match's first token
+        running = state.stop_reason == RUNNING
+        sampled = not self.model.sampling.greedy
+        b = state.current.shape[0]
+        p0 = jnp.zeros((b, tree.size + 1, self.model.cfg.vocab_size), jnp.float32) if sampled else None
+
+        def lookup_only(carry):
+            _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
+            return lookup.tokens, carry[1], fs
+
+        def with_model(carry):
+            drafted = self.model.propose_tree(params, state.replace(draft=carry[2]), keys, tree)
+            tokens = jnp.where(found[:, None], lookup.tokens, drafted.tokens)
+            return tokens, drafted.p, drafted.draft_state
+
+        tokens, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
+                                      (lookup.tokens, p0, state.draft))
+        model_children = children_mode(self.model.sampling)
+        calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
+        return TreeProposal(tokens, p, fs, model_children, calls,
+                            None if model_children is Children.FIXED else found)

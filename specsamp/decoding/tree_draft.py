@@ -41,7 +41,11 @@ class TreeProposal(NamedTuple):
     p: jax.Array | None  # [B, N+1, V] float32 (`tree_acceptance`'s rows); None under greedy
     draft_state: Any  # the drafter's loop state after the round
     children: Children  # how the children were chosen (static)
-    calls: int  # draft model calls of the round
+    calls: int | jax.Array  # draft model calls of the round (or per row [B])
+    # [B] bool or None: rows whose children were chosen without drawing (`Children.FIXED`,
+    # a hybrid's lookup rows) while `children` says how the other rows' were; decided
+    # by each row's own tokens before any draw. None: every row as `children` says.
+    fixed_rows: jax.Array | None = None
 
 
 def check_level_order(tree: Tree) -> Tree:
