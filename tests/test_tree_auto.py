@@ -244,10 +244,11 @@ def test_a_chain_after_a_tree_finds_the_draft_cache_in_place():
             np.testing.assert_allclose(g[:, b, :, : t[b] - 1], w[:, b, :, : t[b] - 1], atol=1e-4)
 
 
-DRAFT_SHAPES = [  # (drafter, trees): n-gram lookup drafts trees of branches only
+DRAFT_SHAPES = [  # (drafter, trees): n-gram lookup (and a hybrid) drafts trees of branches only
     ("model", AUTO_TREES),
     ("feature", (Tree.full((2, 1)), Tree.full((2, 2)))),
     ("ngram", (Tree.full((2, 1)), Tree.full((3, 1)))),
+    ("hybrid", (Tree.full((2, 1)), Tree.full((2, 1, 1)))),  # lookup rows and draft rows mixed
 ]
 
 

@@ -83,7 +83,7 @@ class GeneratorSpec:
         object.__setattr__(self, "draft_tree", None if self.tree == "auto" else parse_tree(self.tree))
         if self.draft_tree is not None:
             if self.draft == "none":
-                raise UserError("a token tree needs a drafter: give --draft (a draft model or early-exit:L)")
+                raise UserError("a token tree needs a drafter: give --draft (a draft model, early-exit:L, ngram or ngram+<draft>)")
             if self.k == "auto":
                 raise UserError("--tree and --k auto do not combine yet: give a tree or k auto")
             object.__setattr__(self, "k", self.draft_tree.max_depth)

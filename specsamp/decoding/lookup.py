@@ -216,7 +216,10 @@ class HybridDrafter:
 
     def check_tree(self, tree: Tree) -> None:
         """The lookup's shapes: trees of branches (`NgramDrafter.check_tree`)."""
-        self.ngram.check_tree(tree)
+        try:
+            self.ngram.check_tree(tree)
+        except UserError as e:
+            raise UserError(f"the hybrid drafter ({self.kind}) drafts the lookup's trees: {e}") from None
 
     def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
         """A row with a lookup match drafts the lookup's tree (its best matches as
