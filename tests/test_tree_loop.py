@@ -113,10 +113,18 @@ _HYBRID_TREE = HybridDrafter.propose_tree
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["lookup rows as draws", "rows swapped"])
-def test_the_tree_check_fails_a_hybrid_rows_rule_misstated(monkeypatch, fault):
+def test_the_tree_check_fails_a_hybrid_rows_rule_misstated(monkeypatch, request, fault):
     """A hybrid tree's rows follow two rules: lookup rows FIXED, the model's rows its draws
     (`TreeProposal.fixed_rows`). Judging the lookup rows as the model's draws (the field
-    dropped) or each row by the other's rule is not exact: the chi-square rejects both."""
+    dropped) or each row by the other's rule is not exact: the chi-square rejects both.
+    The program is the sampled 2x1 case's above: the process's compiled programs are
+    dropped before (so that the patched drafter is traced) and after (so that no later
+    test runs the patched one)."""
+    from specsamp.compilation import forget_executables
+
+    forget_executables()
+    request.addfinalizer(forget_executables)
+
     def misstated(self, *args):
         proposal = _HYBRID_TREE(self, *args)
         rows = None if fault == "lookup rows as draws" else ~proposal.fixed_rows
