@@ -199,3 +199,28 @@ def test_chain_is_the_chain_rule_bit_for_bit():
         want_path = np.where(np.arange(k)[None] < np.asarray(n)[:, None], np.arange(k)[None], -1)
         assert np.array_equal(got.path, want_path)
     assert 0 < np.asarray(chain[0][0]).mean() < k  # some refused, some kept
+
+
+@pytest.mark.parametrize("mode", [Children.IID, Children.DISTINCT])
+def test_rows_marked_fixed_take_the_fixed_rule_bit_for_bit(mode):
+    """`fixed` (a hybrid's lookup rows, `TreeProposal.fixed_rows`): a marked row's result
+    is the FIXED rule's, an unmarked row's the mode's, bit for bit, with the same keys.
+    Catches the flag ignored, inverted, or read from another row."""
+    rng = np.random.default_rng(4)
+    b, v, tree = 300, 6, Tree.full((3, 1))
+    p = rng.dirichlet(np.full(v, 0.5), size=(b, tree.size + 1)).astype(np.float32)
+    q = rng.dirichlet(np.full(v, 0.5), size=(b, tree.size + 1)).astype(np.float32)
+    tokens = rng.integers(v, size=(b, tree.size)).astype(np.int32)
+    fixed = rng.random(b) < 0.5
+    keys = jax.random.split(jax.random.PRNGKey(5), b)
+
+    @jax.jit
+    def three(keys, tokens, p, q, fixed):  # one program: one compilation
+        run = functools.partial(accept_tree_batch, keys, tokens, p, q, tree=tree)
+        return run(children=mode, fixed=fixed), run(children=Children.FIXED), run(children=mode)
+
+    mixed, as_fixed, as_mode = three(keys, tokens, p, q, fixed)
+    for got, a, m in zip(mixed, as_fixed, as_mode):
+        want = np.where(fixed.reshape((-1,) + (1,) * (np.ndim(a) - 1)), a, m)
+        assert np.array_equal(np.asarray(got), want)
+    assert not np.array_equal(np.asarray(as_fixed.token), np.asarray(as_mode.token))  # the rules differ here

@@ -229,7 +229,6 @@ class HybridDrafter:
         each row is accepted by the rule of how its children came: exact either way. When
         every running row has a match the model's tree is skipped; only its first call
         runs (its cache keeps up with the accepted tokens, as in chain rounds)."""
-        self.check_tree(tree)
         lookup = self.ngram.propose_tree(None, state, keys, tree)
         found = lookup.tokens[:, 0] >= 0  # node 0 is the best match's first token
         running = state.stop_reason == RUNNING

@@ -63,8 +63,10 @@ class TreeAcceptance(NamedTuple):
     token: jax.Array
 
 
-def _try_children(kids, tokens, p_u, q_u, r, children: Children):
-    """The tests at one node: kids [W] node indices (-1: none), q_u, p_u [V]. Returns
+def _try_children(kids, tokens, p_u, q_u, r, children: Children, fixed=None):
+    """The tests at one node: kids [W] node indices (-1: none), q_u, p_u [V]; fixed (a
+    bool, or None for False): this row's children were chosen without drawing, whatever
+    `children` says (`Children.FIXED`'s d). Returns
     (kept child or -1, q', d) where the next token, if no child is kept, is drawn from
     residual(q', d): q' is the target before the last rejected child and d that child's
     draft distribution (zeros when none was rejected, so residual(q', d) is q_u itself,
@@ -82,6 +84,8 @@ def _try_children(kids, tokens, p_u, q_u, r, children: Children):
             d = jnp.where(rejected, p_left / jnp.maximum(jnp.sum(p_left), 1e-30), p_u)
         else:
             d = jax.nn.one_hot(x_safe, v, dtype=q_u.dtype)
+        if fixed is not None and children is not Children.FIXED:
+            d = jnp.where(fixed, jax.nn.one_hot(x_safe, v, dtype=q_u.dtype), d)
         d_x = d[x_safe]
         present = (kid >= 0) & (x >= 0) & (kept < 0) & (d_x > 0)
         # r < q'/d written without the division (as the chain's rule).
@@ -104,6 +108,7 @@ def walk(
     *,
     tree: Tree,
     children: Children,
+    fixed: jax.Array | None = None,  # bool: this row's children were chosen without drawing
 ) -> tuple[jax.Array, jax.Array]:
     """The rule with its uniforms given: returns (the last accepted node, -1 for none; the
     distribution [V] the next token is drawn from). `accept_tree` is this plus the draws;
@@ -112,7 +117,8 @@ def walk(
 
     def level(carry, _):
         u, live, q_end, d_end = carry
-        kept, q_cur, d_last = _try_children(table[u + 1], tokens, p[u + 1], q[u + 1], r, children)
+        kept, q_cur, d_last = _try_children(table[u + 1], tokens, p[u + 1], q[u + 1], r, children,
+                                            fixed)
         went_down = live & (kept >= 0)
         stopped = live & (kept < 0)
         # On a step down the end state is provisional: the child's own row, nothing rejected
@@ -139,20 +145,27 @@ def accept_tree(
     *,
     tree: Tree,
     children: Children,
+    fixed: jax.Array | None = None,
 ) -> TreeAcceptance:
     """One row, sampling at temperature > 0 (any top-k / top-p: they are in p and q). The
-    key is split as the chain's: uniforms for the tests (one per node), then the token."""
+    key is split as the chain's: uniforms for the tests (one per node), then the token.
+    fixed (`walk`): the row's children were chosen without drawing, whatever `children`
+    says (a hybrid's lookup rows)."""
     key_r, key_x = jax.random.split(key)
     r = jax.random.uniform(key_r, (tree.size,), dtype=jnp.float32)
-    node, dist = walk(tokens, p, q, r, tree=tree, children=children)
+    node, dist = walk(tokens, p, q, r, tree=tree, children=children, fixed=fixed)
     return _result(tree, node, sample(key_x, dist))
 
 
-def accept_tree_batch(keys, tokens, p, q, *, tree: Tree, children: Children) -> TreeAcceptance:
-    """`accept_tree` over a batch: keys [B, 2], tokens [B, N], p, q [B, N+1, V]. A row's
-    result depends only on its own key and arrays."""
-    one = lambda k, t, pp, qq: accept_tree(k, t, pp, qq, tree=tree, children=children)  # noqa: E731
-    return jax.vmap(one)(keys, tokens, p, q)
+def accept_tree_batch(keys, tokens, p, q, *, tree: Tree, children: Children,
+                      fixed: jax.Array | None = None) -> TreeAcceptance:
+    """`accept_tree` over a batch: keys [B, 2], tokens [B, N], p, q [B, N+1, V], fixed
+    [B] bool or None. A row's result depends only on its own key and arrays."""
+    if fixed is None:
+        one = lambda k, t, pp, qq: accept_tree(k, t, pp, qq, tree=tree, children=children)  # noqa: E731
+        return jax.vmap(one)(keys, tokens, p, q)
+    one = lambda k, t, pp, qq, f: accept_tree(k, t, pp, qq, tree=tree, children=children, fixed=f)  # noqa: E731
+    return jax.vmap(one)(keys, tokens, p, q, fixed)
 
 
 def accept_tree_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> TreeAcceptance:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specsamp.decoding.sampling import probs_from_logits
 from specsamp.decoding.state import DecodeState, commit_accepted, gather_window, log_draft_calls, round_keys
 from specsamp.decoding.tree import block_paths, block_positions
-from specsamp.decoding.tree_acceptance import Children, accept_tree_batch, accept_tree_greedy_batch
+from specsamp.decoding.tree_acceptance import accept_tree_batch, accept_tree_greedy_batch
 from specsamp.models.argmax import first_argmax
 from specsamp.models import KVCache
 from specsamp.models.tree_cache import keep_path
@@ -50,13 +50,7 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
         q = probs_from_logits(logits, prog.sampling)
         p = jnp.zeros_like(q) if proposal.p is None else proposal.p  # None: FIXED, not read
         acc = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
-                                children=proposal.children)
-        if proposal.fixed_rows is not None:  # a hybrid: its lookup rows by the FIXED rule
-            fixed = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
-                                      children=Children.FIXED)
-            pick = lambda a, b: jnp.where(  # noqa: E731
-                proposal.fixed_rows.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-            acc = jax.tree.map(pick, fixed, acc)
+                                children=proposal.children, fixed=proposal.fixed_rows)
 
     kept = jnp.take_along_axis(proposal.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, K]
     # The target's features along the accepted path (root, then its nodes; the root's row
