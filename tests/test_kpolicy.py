@@ -67,6 +67,7 @@ def test_deep_positions_kept_rarely_shorten_the_draft():
     first_only = (np.array([90.0, 0, 0, 0]), np.array([100.0, 0, 0, 0]))
     assert KS[policy(acc, tested, first_only)] == 4
     chained = (np.array([900.0, 90, 9, 1]), np.array([1000.0, 900, 90, 9]))
+    policy.explored.update(range(len(KS)))  # every K ran a chunk: none is explored
     assert KS[policy(acc, tested, chained)] == 1
 
 
@@ -187,3 +188,55 @@ def test_a_close_plain_call_is_revisited_and_a_clear_one_is_not():
     assert [ks[fresh.fresh_choice()] for _ in range(5)] == [0, 0, 0, 0, 1]
     assert ks[fresh(np.zeros(1), np.zeros(1))] == 1  # the revisit runs in that run's first chunk
     assert ks[fresh.fresh_choice()] == 0 and fresh.chosen == [1]
+
+
+def test_timed_chunks_correct_the_cost_curve():
+    """The curve prices K = 1 at 1.6 plain rounds (measured on a busy machine, say) while
+    the run's chunks take 1.1: a row at alpha 0.5 starts plain and drafts once 64 timed
+    rounds of each say otherwise. Chunks at fewer slots than the curve's do not count; a
+    machine twice as slow as the curve moves every shape, timed or not, alike."""
+    ks = (0, 1)
+    row, tested = np.array([50.0]), np.array([100.0])
+    policy = KPolicy(CostCurve(4, {0: 1.0, 1: 1.6}), ks)
+    assert ks[policy(row, tested)] == 0
+    policy.observe(1, 1.1 * 64, 64, slots=2)  # a compacted tail: ignored
+    assert policy.round_seconds(1) == pytest.approx(1.6)
+    policy.observe(0, 1.0 * 64, 64, slots=4)
+    policy.observe(1, 1.1 * 64, 64, slots=4)
+    assert policy.round_seconds(1) == pytest.approx(1.1, rel=0.1)
+    assert ks[policy(row, tested)] == 1
+    slow = KPolicy(CostCurve(4, {0: 1.0, 1: 1.6}), ks)
+    slow.observe(0, 2.0 * 64, 64, slots=4)
+    assert slow.round_seconds(0) == pytest.approx(2.0, rel=0.05)
+    assert slow.round_seconds(1) == pytest.approx(1.6 * 1.8, rel=0.05)  # untimed: scaled alike
+
+
+def test_a_fresh_row_at_batch_1_starts_from_the_engine_history():
+    """A row with no tested tokens and no neighbours takes the rate of every row the engine
+    ran (here 0.8 or 0.15), not a uniform prior's 0.5: the K it starts at follows."""
+    policy = _policy(lambda t: 1 + 0.2 * (t - 1), draft=0.02)
+    fresh = np.zeros(1)
+    assert policy.alphas(fresh, fresh, (80.0, 100.0))[0] == pytest.approx(81 / 102)
+    good = (np.array([80.0, 60, 45, 30]), np.array([100.0, 80, 60, 45]))
+    bad = (np.array([15.0, 1, 0, 0]), np.array([100.0, 15, 1, 0]))
+    assert KS[policy.fresh_choice()] == 1  # no history: at 0.5
+    assert KS[policy.fresh_choice(good)] == 4
+    assert KS[policy.fresh_choice(bad)] == 0
+
+
+def test_an_untimed_chain_close_to_the_choice_runs_once():
+    """The curve alone prices K = 2 just above K = 1 (predicted within `close`): it runs one
+    chunk so that its own rounds are timed, then the timed costs decide (here K = 2 is
+    cheaper than the curve said). K = 4, predicted far slower, never runs."""
+    policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.2, 2: 1.5, 4: 3.0}), KS)
+    row, tested = np.array([60.0]), np.array([100.0])
+    assert KS[policy(row, tested)] == 2  # explored
+    policy.observe(2, 1.25 * 64, 64, slots=1)
+    policy.observe(1, 1.2 * 64, 64, slots=1)
+    assert [KS[policy(row, tested)] for _ in range(3)] == [2, 2, 2]
+    other = KPolicy(CostCurve(1, {0: 1.0, 1: 1.2, 2: 1.5, 4: 3.0}), KS)
+    other.observe(1, 1.2 * 64, 64, slots=1)
+    other(row, tested)
+    other.observe(2, 1.6 * 64, 64, slots=1)  # the explored chunk confirms the curve
+    assert [KS[other(row, tested)] for _ in range(3)] == [1, 1, 1]
+    assert 4 not in other.chosen

@@ -157,7 +157,7 @@ def test_no_tree_where_plain_rounds_win():
     policy = _policy(9.0, chain=lambda k: 1.0 + 5 * k)
     depth, branches = _counts(0.95)
     assert policy.shapes[policy(*_rows(), depth, branches)] == 0
-    assert not policy.explored
+    assert policy.explored == {policy.ks.index(0)}  # only plain rounds ran
 
 
 def test_tree_rounds_are_timed_and_keyed_by_their_shapes(tmp_path, monkeypatch):

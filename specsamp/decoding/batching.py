@@ -108,6 +108,8 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         engine.slot_rounds[len(run.slot_row)] += rounds
         engine.decode_s += seconds
         run.charge_decode(seconds, rounds, shape)
+        if hasattr(engine.policy, "observe"):
+            engine.policy.observe(shape, seconds, rounds, len(run.slot_row))
         if should_stop is not None:
             run.apply_stop_strings(should_stop)
         run.collect()

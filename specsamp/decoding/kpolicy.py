@@ -4,11 +4,13 @@ autoregressive rounds) that maximises the batch's expected tokens per second.
 A round at K costs the seconds the engine's own round program takes for the whole batch
 (measured once per machine, `specsamp.decoding.costs.cost_curve`: drafting, scoring K+1
 tokens, acceptance and bookkeeping; cheap in K at small batches, growing with K at large
-ones), and yields, for each running row with
+ones), corrected by the run's own chunks as they are timed (`KPolicy.observe`: a curve
+measured in a busy minute would otherwise misprice a shape for good), and yields, for each
+running row with
 acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the paper's cost model;
 SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
-estimate, shrunk toward the batch's pooled rate so that a fresh row starts from what its
-neighbours show. Deeper draft positions need not be kept as often as the first (a trained
+estimate, shrunk toward the pooled rate of every row the engine ran, so that a fresh row
+starts from what the rows before it and beside it show (at batch 1 it has no neighbours). Deeper draft positions need not be kept as often as the first (a trained
 draft's chained guesses are worse than its first): the rate of each position d given the
 ones before it, pooled over every row the engine ran, scales the row's rate there
 (`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
@@ -29,10 +31,15 @@ Plain rounds test no draft, so a choice of plain rounds could never be undone by
 run shows. Where it was a close call (the best drafted shape predicted within `close`),
 every `revisit` plain choices in a row one chunk drafts again (`KPolicy._revisited`).
 
+A chain K that has not run yet and is predicted within `close` of the choice runs one chunk
+first (`KPolicy._explore`), as an untried tree does: its round seconds otherwise rest on
+the curve alone.
+
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
-the tests); greedy output is the same token for token. A sampled row's tokens for a given seed, however, depend
-on the K schedule, hence on its batch: with a fixed K they do not.
+the tests); greedy output is the same token for token. A sampled row's tokens for a given
+seed, however, depend on the K schedule, hence on its batch and on the machine's timing:
+with a fixed K they do not.
 """
 
 from __future__ import annotations
@@ -132,22 +139,56 @@ class KPolicy:
     # shape so that its estimate can move; a clear loss is not re-tested.
     revisit: int = 4
     close: float = 0.10
+    # The curve is a few rounds per shape timed once, on a machine whose speed and load
+    # drift: its figures for one shape moved by 15-50% between measurements minutes apart
+    # here (docs/measurements.md). The run's own chunks time every shape they run at, over
+    # far more rounds: a shape's round seconds are its measured rounds pooled with
+    # `cost_weight` rounds at the curve's figure, that figure scaled by how the measured
+    # rounds of every shape compare with the curve (a slower or faster machine moves all
+    # shapes alike). Chunks at fewer slots than the curve's (a run's tail, compacted) do
+    # not count.
+    cost_weight: float = 16.0
 
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
-        self.explored: set[int] = set()  # tree indices (into `shapes`) that ran a chunk
+        self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
         self.plain_run = 0  # plain choices in a row (`revisit`)
+        self.timed: dict = {}  # shape key -> [seconds, rounds] of chunks the run timed
+
+    def observe(self, shape, seconds: float, rounds: int, slots: int) -> None:
+        """A chunk of `rounds` rounds of `shape` over `slots` slots took `seconds`."""
+        if rounds > 0 and slots == self.curve.batch:
+            timed = self.timed.setdefault(shape_key(shape), [0.0, 0])
+            timed[0] += seconds
+            timed[1] += rounds
 
     @property
     def shapes(self) -> tuple:
         return tuple(self.ks) + tuple(self.trees)
 
     def round_seconds(self, shape) -> float:
-        return self.curve.rounds[shape_key(shape)]
+        """A round's seconds at `shape`: the curve's, corrected by the run's timed chunks
+        (`cost_weight`)."""
+        key = shape_key(shape)
+        seconds, rounds = self.timed.get(key, (0.0, 0))
+        prior = self.curve.rounds[key] * self._drift()
+        return (self.cost_weight * prior + seconds) / (self.cost_weight + rounds)
 
-    def alphas(self, accepted: np.ndarray, tested: np.ndarray) -> np.ndarray:
-        pooled = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
-        return (accepted + self.prior_weight * pooled) / (tested + self.prior_weight)
+    def _drift(self) -> float:
+        """Timed rounds' seconds over the curve's, pooled over shapes and shrunk toward 1
+        with `cost_weight` rounds."""
+        ratio = sum(s / self.curve.rounds[key] for key, (s, _) in self.timed.items())
+        rounds = sum(n for _, n in self.timed.values())
+        return (self.cost_weight + ratio) / (self.cost_weight + rounds)
+
+    def alphas(self, accepted: np.ndarray, tested: np.ndarray, pooled=None) -> np.ndarray:
+        """Each row's rate: its accepted over tested draft tokens, with `prior_weight`
+        pseudo-observations at the pooled rate, that of `pooled` (accepted, tested): every
+        row the engine ran, where given (at batch 1 a fresh row has no neighbours), else
+        these rows'."""
+        acc, tst = (accepted.sum(), tested.sum()) if pooled is None else pooled
+        rate = (acc + 1.0) / (tst + 2.0)
+        return (accepted + self.prior_weight * rate) / (tested + self.prior_weight)
 
     def position_rates(self, depth) -> np.ndarray:
         """Each draft position's rate given the ones before it, over the rate of all tested
@@ -184,14 +225,22 @@ class KPolicy:
         (`depth_counts`), or None for the plain model; branches: the tree rounds'
         (accepted, tested) by (depth, width) (`branch_counts`), with trees. Returns an
         index into `shapes`; a tree not yet run is chosen once wherever drafting is."""
-        best = self._revisited(*self._choice(accepted, tested, depth, branches))
-        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in self.explored]
-        if fresh and self.shapes[best] != 0:
-            best = fresh[0]
-        if best >= len(self.ks):
-            self.explored.add(best)
+        best, speeds = self._choice(accepted, tested, depth, branches)
+        best = self._revisited(best, speeds)
+        if self.shapes[best] != 0:
+            best = self._explore(best, speeds)
+        self.explored.add(best)
         self.chosen.append(shape_key(self.shapes[best]))
         return best
+
+    def _explore(self, best: int, speeds: list[float]) -> int:
+        """Where drafting is chosen: a tree that has not run yet (its rates by width
+        cannot move before it does), else a chain K that has not run yet and is predicted
+        within `close` of `best` (its round seconds rest on the curve alone), else `best`."""
+        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in self.explored]
+        fresh += [i for i, k in enumerate(self.ks) if k != 0 and i not in self.explored | {best}
+                  and speeds[i] >= (1 - self.close) * speeds[best]]
+        return fresh[0] if fresh else best
 
     def fresh_choice(self, depth=None, branches=None) -> int:
         """The index for rows none of which has tested a draft token yet (each at the
@@ -222,7 +271,9 @@ class KPolicy:
 
     def _choice(self, accepted, tested, depth, branches=None) -> tuple[int, list[float]]:
         """(the index of the predicted fastest shape, every shape's predicted speed)."""
-        alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float)), 0.999)
+        counts = [c for c in (depth, branches) if c is not None]
+        pooled = tuple(sum(float(np.sum(c[i])) for c in counts) for i in (0, 1)) if counts else None
+        alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float), pooled), 0.999)
         if self.trees:  # chains and trees from one table: the chains' positions are width 1
             deep = self._deepest()
             depth = (np.zeros(deep),) * 2 if depth is None else depth
