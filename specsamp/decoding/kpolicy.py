@@ -6,11 +6,11 @@ A round at K costs the seconds the engine's own round program takes for the whol
 tokens, acceptance and bookkeeping; cheap in K at small batches, growing with K at large
 ones), corrected by the run's own chunks as they are timed (`KPolicy.observe`: a curve
 measured in a busy minute would otherwise misprice a shape for good), and yields, for each
-running row with
-acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the paper's cost model;
-SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
+running row with acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the
+paper's cost model; SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
 estimate, shrunk toward the pooled rate of every row the engine ran, so that a fresh row
-starts from what the rows before it and beside it show (at batch 1 it has no neighbours). Deeper draft positions need not be kept as often as the first (a trained
+starts from what the rows before it and beside it show (at batch 1 it has no
+neighbours). Deeper draft positions need not be kept as often as the first (a trained
 draft's chained guesses are worse than its first): the rate of each position d given the
 ones before it, pooled over every row the engine ran, scales the row's rate there
 (`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
