@@ -131,6 +131,38 @@ def test_wide_rounds_stay_out_of_the_k_policy_counts():
     assert tested[0] > 0 and not tested[1:].any() and not accepted[1:].any()
 
 
+class _Observed:
+    """A K policy that always picks index 0 and records what each timed chunk reports
+    (`KPolicy.observe`): (rounds, modelled rounds)."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def __call__(self, accepted, tested, depth):
+        return 0
+
+    def observe(self, shape, seconds, rounds, slots, modelled=None):
+        self.chunks.append((rounds, modelled))
+
+
+@pytest.mark.parametrize("drafter,more", [("hybrid-wide", True), ("model", False)])
+def test_chunks_count_their_wide_rounds_by_what_they_emitted(drafter, more):
+    """K = 1 chunks with wide rounds (3 lookup tokens, kept far more often than K = 1's
+    one guess) report more modelled rounds than they ran, so that the policy prices K = 1
+    by the tokens its chunks really emitted; with a draft model (no wide round) the two
+    agree. Catches the runner reporting only the rounds it ran (the chunks' time then
+    carries the wide rounds' cost without their tokens, and K = 1 looks dearer than it is)."""
+    sp = SamplingParams(0.0)
+    policy = _Observed()
+    cont = switching(_eos_engine(sp, drafter, 4, max_new=20), (1, 4), policy)
+    got = cont.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=4))
+    assert any(3 in r.drafted for r in got) == more  # wide rounds ran (or not)
+    ran = sum(rounds for rounds, _ in policy.chunks)
+    modelled = sum(m for _, m in policy.chunks)
+    assert ran == sum(cont.k_rounds.values()) > 0
+    assert modelled > 1.05 * ran if more else modelled == pytest.approx(ran)
+
+
 def test_switching_k_samples_exactly():
     """The same switching under sampling (temperature 1, the feature draft whose cache and
     features must survive plain chunks): chi-square against the exact target law."""

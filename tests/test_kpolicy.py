@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from specsamp.decoding.batching import modelled_rounds
 from specsamp.decoding.costs import CostCurve
 from specsamp.decoding.kpolicy import KPolicy, depth_counts, expected_tokens_by_position
 from specsamp.decoding.stats import expected_tokens
@@ -240,3 +241,35 @@ def test_an_untimed_chain_close_to_the_choice_runs_once():
     other.observe(2, 1.6 * 64, 64, slots=1)  # the explored chunk confirms the curve
     assert [KS[other(row, tested)] for _ in range(3)] == [1, 1, 1]
     assert 4 not in other.chosen
+
+
+def test_a_chunk_counts_as_the_rounds_its_tokens_are_worth():
+    """Two rows over a chunk of 4 rounds: row 0 ran 4 modelled rounds (2, 1, 2, 1 tokens),
+    row 1 a wide round (3 tokens), a modelled one (1) and another wide one (4), then ended.
+    A modelled round emits 7 / 5 tokens on average; the chunk's 14 tokens over 7 row-rounds
+    are worth 10 modelled row-rounds: 4 x 10 / 7 batch rounds. With no modelled round the
+    chunk counts as it ran."""
+    emitted = np.array([[2, 1, 2, 1], [3, 1, 4, 0]])
+    mine = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
+    counted = np.array([[1, 1, 1, 1], [0, 1, 0, 0]], bool)
+    assert modelled_rounds(4, emitted, mine, counted) == pytest.approx(4 * 10 / 7)
+    assert modelled_rounds(4, emitted, mine, mine & False) == 4
+    assert modelled_rounds(4, emitted, mine, mine) == pytest.approx(4)
+
+
+def test_timed_chunks_are_priced_per_modelled_round():
+    """K = 1 chunks timed at 1.3 plain rounds a round (the curve's figure), at alpha 0.3:
+    1.3 tokens a round, plain rounds win. The same chunks held wide rounds that emitted as
+    much as 1.25x their rounds of K = 1 would: K = 1 costs 1.04 per modelled round and
+    drafting wins. The machine's drift is read from the rounds as they ran (unchanged)."""
+    ks = (0, 1)
+    row, tested = np.array([30.0]), np.array([100.0])
+    curve = CostCurve(1, {0: 1.0, 1: 1.3})
+    plain, wide = KPolicy(curve, ks), KPolicy(curve, ks)
+    for policy, modelled in ((plain, 256), (wide, 320)):
+        policy.observe(0, 1.0 * 256, 256, slots=1)
+        policy.observe(1, 1.3 * 256, 256, slots=1, modelled=modelled)
+    assert plain._drift() == wide._drift() == pytest.approx(1.0)
+    assert ks[plain(row, tested)] == 0
+    assert wide.round_seconds(1) == pytest.approx((16 * 1.3 + 1.3 * 256) / (16 + 320))
+    assert ks[wide(row, tested)] == 1

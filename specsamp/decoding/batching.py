@@ -107,9 +107,9 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         engine.k_rounds[shape_key(shape)] += rounds
         engine.slot_rounds[len(run.slot_row)] += rounds
         engine.decode_s += seconds
-        run.charge_decode(seconds, rounds, shape)
+        modelled = run.charge_decode(seconds, rounds, shape)
         if hasattr(engine.policy, "observe"):
-            engine.policy.observe(shape, seconds, rounds, len(run.slot_row))
+            engine.policy.observe(shape, seconds, rounds, len(run.slot_row), modelled)
         if should_stop is not None:
             run.apply_stop_strings(should_stop)
         run.collect()
@@ -117,6 +117,26 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
             progress(n - len(run.pending) - len(run.active()))
         yield
     return run.samples()
+
+
+def modelled_rounds(rounds: int, emitted: np.ndarray, mine: np.ndarray, counted: np.ndarray) -> float:
+    """A chunk's `rounds` counted by what they emitted, in rounds of the kind the K policy
+    models. emitted [B, R]: tokens each round appended; mine: the chunk's rounds of each
+    row; counted: those of them the policy's model describes (drafted rounds at the
+    chunk's K or tree; every round of a plain chunk).
+
+    A chunk's time covers every round, but the policy predicts only its counted rounds'
+    tokens: a hybrid's wide lookup rounds (about 3 tokens a round where the chained rounds
+    of K = 1 give 1.5) and a lookup drafter's plain steps on rows without a match would
+    otherwise leave the chunk's time with too few tokens, or too many, and misprice K
+    against plain rounds. So the chunk counts as (its tokens / a counted round's mean
+    tokens) rounds of the modelled kind, scaled to the batch's rounds; with no counted
+    round, as `rounds`."""
+    row_rounds, n_counted = int(mine.sum()), int(counted.sum())
+    if n_counted == 0 or row_rounds == 0:
+        return float(rounds)
+    mean = emitted[counted].sum() / n_counted
+    return rounds * float(emitted[mine].sum()) / mean / row_rounds
 
 
 def _pooled(engine) -> tuple:
@@ -253,27 +273,32 @@ class _Run:
         for i in rows:
             self.prefill_s[i] = share
 
-    def charge_decode(self, seconds: float, rounds: int, shape) -> None:
+    def charge_decode(self, seconds: float, rounds: int, shape) -> float:
         """Give each row its share of a chunk that ran `rounds` rounds of `shape` (a K, or
         a Tree), and count its tested draft tokens for the K policy (a round that kept
         fewer than K stopped at a rejection; a tree's by depth and width). A hybrid's wide
         rounds (more lookup tokens than k) are left out: they run only in chunks of a
         smaller K, and their long matches, kept far more often than the model's chained
-        guesses, would make the policy overrate the larger K."""
+        guesses, would make the policy overrate the larger K.
+
+        Returns the chunk's rounds counted by what they emitted, in rounds of the kind the
+        policy models (`modelled_rounds`)."""
         tree = None if isinstance(shape, int) else shape
         k, scored = (shape, shape) if tree is None else (tree.max_depth, tree.size)
         self.totals[1] += seconds
         st = self.state
-        calls, log, widths = (np.asarray(a) for a in (st.calls, st.round_accepted, st.round_drafted))
+        calls, log, widths, emitted = (np.asarray(a) for a in (
+            st.calls, st.round_accepted, st.round_drafted, st.round_tokens))
         self.reason = np.array(st.stop_reason)
         active = np.array(self.active(), int)
         for s in active:  # a round takes the same time for every row of the batch
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
         # Each active row's loops of this chunk (-1: a plain round), all rows at once.
-        log, widths = log[active], widths[active]
+        log, widths, emitted = log[active], widths[active], emitted[active]
         at = np.arange(log.shape[1])[None, :]
         mine = (at >= self.calls[active][:, None]) & (at < calls[active][:, None])
         counted = mine & (log >= 0) & (widths == scored)
+        modelled = modelled_rounds(rounds, emitted, mine, counted if k else mine)
         accepted = np.where(counted, log, 0).sum(axis=1)
         self.accepted[active] += accepted  # as `stats.loop_counts`, row by row
         self.tested[active] += accepted + (counted & (log < k)).sum(axis=1)
@@ -287,6 +312,7 @@ class _Run:
         for total, part in counts:
             total += part
         self.calls = calls.astype(np.int64)
+        return modelled
 
     def acceptance(self) -> tuple:
         """(accepted, tested) draft tokens so far of each running row, and the engine's

@@ -155,12 +155,17 @@ class KPolicy:
         self.plain_run = 0  # plain choices in a row (`revisit`)
         self.timed: dict = {}  # shape key -> [seconds, rounds] of chunks the run timed
 
-    def observe(self, shape, seconds: float, rounds: int, slots: int) -> None:
-        """A chunk of `rounds` rounds of `shape` over `slots` slots took `seconds`."""
+    def observe(self, shape, seconds: float, rounds: int, slots: int,
+                modelled: float | None = None) -> None:
+        """A chunk of `rounds` rounds of `shape` over `slots` slots took `seconds`; by what
+        they emitted, they were `modelled` rounds of the kind this policy predicts tokens
+        for (`batching.modelled_rounds`: a hybrid's wide lookup rounds count for more;
+        default `rounds`)."""
         if rounds > 0 and slots == self.curve.batch:
-            timed = self.timed.setdefault(shape_key(shape), [0.0, 0])
+            timed = self.timed.setdefault(shape_key(shape), [0.0, 0, 0.0])
             timed[0] += seconds
             timed[1] += rounds
+            timed[2] += rounds if modelled is None else modelled
 
     @property
     def shapes(self) -> tuple:
@@ -168,17 +173,17 @@ class KPolicy:
 
     def round_seconds(self, shape) -> float:
         """A round's seconds at `shape`: the curve's, corrected by the run's timed chunks
-        (`cost_weight`)."""
+        (`cost_weight`), per modelled round (`observe`)."""
         key = shape_key(shape)
-        seconds, rounds = self.timed.get(key, (0.0, 0))
+        seconds, _, modelled = self.timed.get(key, (0.0, 0, 0.0))
         prior = self.curve.rounds[key] * self._drift()
-        return (self.cost_weight * prior + seconds) / (self.cost_weight + rounds)
+        return (self.cost_weight * prior + seconds) / (self.cost_weight + modelled)
 
     def _drift(self) -> float:
         """Timed rounds' seconds over the curve's, pooled over shapes and shrunk toward 1
-        with `cost_weight` rounds."""
-        ratio = sum(s / self.curve.rounds[key] for key, (s, _) in self.timed.items())
-        rounds = sum(n for _, n in self.timed.values())
+        with `cost_weight` rounds (rounds as they ran: the curve times no wide round)."""
+        ratio = sum(s / self.curve.rounds[key] for key, (s, _, _) in self.timed.items())
+        rounds = sum(n for _, n, _ in self.timed.values())
         return (self.cost_weight + ratio) / (self.cost_weight + rounds)
 
     def alphas(self, accepted: np.ndarray, tested: np.ndarray, pooled=None) -> np.ndarray:
