@@ -123,7 +123,7 @@ def modelled_rounds(rounds: int, emitted: np.ndarray, mine: np.ndarray, counted:
     """A chunk's `rounds` counted by what they emitted, in rounds of the kind the K policy
     models. emitted [B, R]: tokens each round appended; mine: the chunk's rounds of each
     row; counted: those of them the policy's model describes (drafted rounds at the
-    chunk's K or tree; every round of a plain chunk).
+    chunk's K or tree).
 
     A chunk's time covers every round, but the policy predicts only its counted rounds'
     tokens: a hybrid's wide lookup rounds (about 3 tokens a round where the chained rounds
@@ -131,7 +131,7 @@ def modelled_rounds(rounds: int, emitted: np.ndarray, mine: np.ndarray, counted:
     otherwise leave the chunk's time with too few tokens, or too many, and misprice K
     against plain rounds. So the chunk counts as (its tokens / a counted round's mean
     tokens) rounds of the modelled kind, scaled to the batch's rounds; with no counted
-    round, as `rounds`."""
+    round (a plain chunk: plain rounds are what the policy predicts there), as `rounds`."""
     row_rounds, n_counted = int(mine.sum()), int(counted.sum())
     if n_counted == 0 or row_rounds == 0:
         return float(rounds)
@@ -298,7 +298,7 @@ class _Run:
         at = np.arange(log.shape[1])[None, :]
         mine = (at >= self.calls[active][:, None]) & (at < calls[active][:, None])
         counted = mine & (log >= 0) & (widths == scored)
-        modelled = modelled_rounds(rounds, emitted, mine, counted if k else mine)
+        modelled = modelled_rounds(rounds, emitted, mine, counted)
         accepted = np.where(counted, log, 0).sum(axis=1)
         self.accepted[active] += accepted  # as `stats.loop_counts`, row by row
         self.tested[active] += accepted + (counted & (log < k)).sum(axis=1)

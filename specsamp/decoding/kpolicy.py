@@ -153,7 +153,7 @@ class KPolicy:
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
         self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
         self.plain_run = 0  # plain choices in a row (`revisit`)
-        self.timed: dict = {}  # shape key -> [seconds, rounds] of chunks the run timed
+        self.timed: dict = {}  # shape key -> [seconds, rounds, modelled rounds] of timed chunks
 
     def observe(self, shape, seconds: float, rounds: int, slots: int,
                 modelled: float | None = None) -> None:
