@@ -36,17 +36,18 @@ def _limit() -> int:
     return max(1, int(os.environ.get("SPECSAMP_MAX_EXECUTABLES", "48")))
 
 
-def enable_compilation_cache() -> None:
+def enable_compilation_cache(min_compile_seconds: float = 0.5) -> None:
     """Reuse compiled programs across processes (tests, workers, repeated CLI runs), in
     $SPECSAMP_JAX_CACHE or $SPECSAMP_CACHE/jax (default ~/.cache/specsamp/jax);
-    SPECSAMP_JAX_CACHE=off leaves the persistent cache off."""
+    SPECSAMP_JAX_CACHE=off leaves the persistent cache off. Programs that compile in less
+    than `min_compile_seconds` are not stored."""
     if os.environ.get("SPECSAMP_JAX_CACHE") == "off":
         return
     path = os.environ.get("SPECSAMP_JAX_CACHE") or os.path.join(
         os.environ.get("SPECSAMP_CACHE", os.path.expanduser("~/.cache/specsamp")), "jax"
     )
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 

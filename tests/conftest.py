@@ -36,7 +36,9 @@ OUTSIDE_FAST_LANE = frozenset({
 
 
 def pytest_configure(config):
-    enable_compilation_cache()
+    # Every program, however quickly it compiles: the module-end cache clear (below) would
+    # otherwise compile each small one again in every module that uses it.
+    enable_compilation_cache(min_compile_seconds=0.0)
 
 
 def pytest_collection_modifyitems(config, items):

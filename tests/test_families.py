@@ -227,6 +227,7 @@ def test_unsupported_configs_are_one_line(change, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # a CLI process; no exactness property
 def test_unsupported_architecture_exits_2(tmp_path):
     """Catches an unsupported checkpoint reaching the model (a traceback) or leaving files
     behind: the CLI says in one line which architecture and what is supported, exit 2,

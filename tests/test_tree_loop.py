@@ -171,6 +171,7 @@ def test_bad_tree_arguments_are_one_line(args, message, tmp_path):
     test_bad_arguments_are_one_line(args, message, tmp_path)
 
 
+@pytest.mark.slow  # two CLI processes; the tree's exactness is checked in-process above
 def test_generate_with_a_tree_on_a_tiny_checkpoint(tmp_path):
     """`generate --tree` runs the tree round and reports it (drafted = nodes scored per
     round, accepted = depth kept); a shape the drafter cannot draft is one error line."""

@@ -346,7 +346,7 @@ class _Run:
             # The row's own decode time stands as a "batch" of its own rounds, so that
             # `RawSample.decode_s` is exactly it (and a stop-string cut scales it by rounds).
             self.results[i] = RawSample(
-                token_ids=tuple(int(x) for x in tokens[s, lo : length[s]]), prompt_tokens=lo,
+                token_ids=tuple(tokens[s, lo : length[s]].tolist()), prompt_tokens=lo,
                 stop_reason=STOP_REASONS[int(reason[s])],
                 rounds=from_log(*(log[s] for log in logs), n),
                 prefill_s=self.prefill_s[i], batch_decode_s=self.decode_s[i], batch_rounds=max(n, 1),

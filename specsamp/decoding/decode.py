@@ -118,8 +118,10 @@ def new_state(
     )
 
 
+@jax.jit(static_argnames=("prog", "batch", "slots", "max_new"))
 def empty_state(prog: Program, batch: int, slots: int, max_new: int) -> DecodeState:
-    """B free slots: every row done, nothing to compute for them."""
+    """B free slots: every row done, nothing to compute for them. (One compiled program:
+    op by op, a state is dozens of small programs, compiled again after every cache clear.)"""
     ones = jnp.ones((batch,), jnp.int32)
     state = new_state(prog, jnp.zeros((batch, 1), jnp.int32), ones, max_new,
                       jnp.zeros((batch,), jnp.uint32), slots)

@@ -66,7 +66,7 @@ def round_logs(state) -> list:
 
 def from_log(tokens, accepted, draft_calls, drafted, calls: int) -> Rounds:
     """A row of the loop's round logs (numpy arrays [R], `round_logs`) with `calls` rounds."""
-    return Rounds(*(tuple(int(x) for x in a[:calls]) for a in (tokens, accepted, draft_calls, drafted)))
+    return Rounds(*(tuple(a[:calls].tolist()) for a in (tokens, accepted, draft_calls, drafted)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specsamp.models.argmax import first_argmax
 from specsamp.models.llama import (
-    KVCache, Linear, ModelConfig, run_layers, setup_decoder,
+    KVCache, Linear, ModelConfig, init_cache, run_layers, setup_decoder,
 )
 from specsamp.reductions import row_dot
 
@@ -77,8 +77,6 @@ class FeatureModel:
     def full_forward(self, params, tokens, features):
         """g [B, T, D] over tokens [B, T] at positions 0..T-1 with a fresh cache (XLA's
         attention: training differentiates it)."""
-        from specsamp.models.llama import init_cache
-
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         g, _ = self.forward(params, tokens, features, positions, init_cache(self.cfg, b, t), "xla")
@@ -143,13 +141,7 @@ def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1
 
     cfg = target_cfg.truncated(n_layers)
     d = cfg.d_model
-    model = FeatureDraft(cfg)
-    from specsamp.models.llama import init_cache
-
-    tokens = jnp.zeros((1, 2), jnp.int32)
-    params = model.init(jax.random.PRNGKey(seed), tokens, jnp.zeros((1, 2, d)),
-                        jnp.arange(2)[None], init_cache(cfg, 1, 4))["params"]
-    params = dict(params)
+    params = dict(_init(cfg, jax.random.PRNGKey(seed)))
     for name in BORROWED:
         if name in target_params:
             params[name] = target_params[name]
@@ -161,6 +153,14 @@ def init_feature_draft(target_cfg: ModelConfig, target_params, n_layers: int = 1
         params["layers"] = Model(target_cfg).layer_params(target_params, idx)
         params["final_norm"] = target_params["final_norm"]
     return cfg, params
+
+
+@jax.jit(static_argnames=("cfg",))
+def _init(cfg: ModelConfig, key):
+    # One compiled program (op by op, an initialisation is hundreds of small programs).
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    return FeatureDraft(cfg).init(key, tokens, jnp.zeros((1, 2, cfg.d_model)),
+                                  jnp.arange(2)[None], init_cache(cfg, 1, 4))["params"]
 
 
 # ---- on disk: a folder with specsamp_draft.json and model.safetensors (own weights only,

@@ -380,11 +380,13 @@ class Transformer(nn.Module):
 
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 1.0):
     """Random parameters (tests, tiny models). `scale` multiplies every weight."""
-    model = Transformer(cfg)
+    return _init_params(cfg, jax.random.PRNGKey(seed), scale)
+
+
+@jax.jit(static_argnames=("cfg",))
+def _init_params(cfg: ModelConfig, key, scale):
+    # One compiled program (op by op, an initialisation is hundreds of small programs).
     tokens = jnp.zeros((1, 2), jnp.int32)
     positions = jnp.arange(2, dtype=jnp.int32)[None]
-    params = model.init(jax.random.PRNGKey(seed), tokens, positions, init_cache(cfg, 1, 4))
-    params = params["params"]
-    if scale != 1.0:
-        params = jax.tree.map(lambda a: a * scale, params)
-    return params
+    params = Transformer(cfg).init(key, tokens, positions, init_cache(cfg, 1, 4))["params"]
+    return jax.tree.map(lambda a: a * scale, params)
