@@ -338,17 +338,18 @@ class _Run:
         done = [s for s in self.active() if reason[s] != RUNNING]
         if not done:
             return
-        tokens, length, calls = np.asarray(st.tokens), np.asarray(st.length), np.asarray(st.calls)
-        logs = round_logs(st)
-        for s in done:
+        length, calls = np.asarray(st.length)[done].tolist(), np.asarray(st.calls)[done].tolist()
+        tokens = np.asarray(st.tokens)[done].tolist()
+        logs = round_logs(st, done)
+        for j, s in enumerate(done):
             i, lo = self.slot_row[s], len(self.prompts[self.slot_row[s]])
-            n = int(calls[s])
+            n = calls[j]
             # The row's own decode time stands as a "batch" of its own rounds, so that
             # `RawSample.decode_s` is exactly it (and a stop-string cut scales it by rounds).
             self.results[i] = RawSample(
-                token_ids=tuple(tokens[s, lo : length[s]].tolist()), prompt_tokens=lo,
+                token_ids=tuple(tokens[j][lo : length[j]]), prompt_tokens=lo,
                 stop_reason=STOP_REASONS[int(reason[s])],
-                rounds=from_log(*(log[s] for log in logs), n),
+                rounds=from_log(*(log[j] for log in logs), n),
                 prefill_s=self.prefill_s[i], batch_decode_s=self.decode_s[i], batch_rounds=max(n, 1),
                 compile_s=self.compile_s)
             self.totals[2] += self.compile_s

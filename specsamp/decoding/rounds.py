@@ -58,15 +58,17 @@ class Rounds:
         return self
 
 
-def round_logs(state) -> list:
-    """The decode state's round logs as numpy arrays [B, R], in `from_log`'s order."""
-    return [np.asarray(a) for a in (state.round_tokens, state.round_accepted,
-                                    state.round_draft_calls, state.round_drafted)]
+def round_logs(state, rows) -> list[list[list[int]]]:
+    """The decode state's round logs of `rows` (slots), in `from_log`'s order: for each
+    log, a list per row of its R entries (one host copy and conversion for all rows)."""
+    rows = np.asarray(rows, int)
+    return [np.asarray(a)[rows].tolist() for a in (
+        state.round_tokens, state.round_accepted, state.round_draft_calls, state.round_drafted)]
 
 
 def from_log(tokens, accepted, draft_calls, drafted, calls: int) -> Rounds:
-    """A row of the loop's round logs (numpy arrays [R], `round_logs`) with `calls` rounds."""
-    return Rounds(*(tuple(a[:calls].tolist()) for a in (tokens, accepted, draft_calls, drafted)))
+    """A row of the loop's round logs (lists [R], `round_logs`) with `calls` rounds."""
+    return Rounds(*(tuple(a[:calls]) for a in (tokens, accepted, draft_calls, drafted)))
 
 
 @dataclasses.dataclass(frozen=True)
