@@ -21,6 +21,8 @@ not batch-invariant either).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -64,9 +66,28 @@ def cumsum(x: jax.Array) -> jax.Array:
     return x
 
 
+_BATCHED = [False]  # set by `batched_products`
+
+
 def per_row() -> bool:
-    """Whether products go one row at a time (one device; see the module's note)."""
-    return jax.device_count() == 1
+    """Whether products go one row at a time (one device, outside `batched_products`; see
+    the module's note). Read when a program is traced."""
+    return jax.device_count() == 1 and not _BATCHED[0]
+
+
+@contextlib.contextmanager
+def batched_products():
+    """Programs traced inside run their products and XLA attention batched, as on several
+    devices: rows equal across batches up to rounding only, and far faster where a call
+    holds many rows (a teacher-forced pass over a whole sequence, a training step, a GPU,
+    where a per-row loop is one small kernel per row). For work that needs no bit-equal
+    rows: distillation's data and training (`specsamp distill`), never decoding."""
+    before = _BATCHED[0]
+    _BATCHED[0] = True
+    try:
+        yield
+    finally:
+        _BATCHED[0] = before
 
 
 # Weights of at most this many entries go through products of TILE rows at a time (a

@@ -77,3 +77,34 @@ def test_row_logits_bit_equal_in_any_batch_block_or_steps(attention, dtype):
                     np.testing.assert_array_equal(
                         got[rows.index(r)], alone[r],
                         err_msg=f"row {r} in a batch of {size}, {'steps' if single else 'block'}")
+
+
+def test_batched_products_trade_bit_equal_rows_for_one_batched_program():
+    """`reductions.batched_products` (distillation only): programs traced inside hold no
+    per-row loop for their products and attention, give the per-row program's logits up
+    to rounding, and the per-row default comes back after the block, also after an
+    error inside it."""
+    from specsamp import reductions
+
+    if not reductions.per_row():
+        pytest.skip("products already batched (several devices)")
+    model = Model(tiny.TARGET, attention="xla")
+    toks = jnp.asarray(_tokens()[:8])
+
+    def program():
+        fwd = jax.jit(lambda p, t: model.full_forward(p, t))
+        return fwd, fwd.lower(tiny.target_params(), toks).as_text()
+
+    per_row_fwd, per_row_text = program()
+    with reductions.batched_products():
+        assert not reductions.per_row()
+        batched_fwd, batched_text = program()
+    assert reductions.per_row()
+    # the layers' scan is a loop in both; the per-row products and attention add theirs
+    assert per_row_text.count("stablehlo.while") > batched_text.count("stablehlo.while") >= 1
+    np.testing.assert_allclose(np.asarray(batched_fwd(tiny.target_params(), toks)),
+                               np.asarray(per_row_fwd(tiny.target_params(), toks)), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ZeroDivisionError):
+        with reductions.batched_products():
+            1 / 0
+    assert reductions.per_row()

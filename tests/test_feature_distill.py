@@ -6,6 +6,7 @@ import os
 import types
 
 import numpy as np
+import pytest
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program
@@ -57,3 +58,26 @@ def test_feature_draft_learns_and_exports_an_exact_draft(tmp_path):
                   params, max_new_tokens=20).run([[1, 2, 3, 4]], [0])[0]
     base = Engine(Program(tiny.TARGET, sp), tiny.target_params(), max_new_tokens=20).run([[1, 2, 3, 4]], [0])[0]
     assert spec.token_ids == base.token_ids and sum(spec.accepted) > 0
+
+
+def test_training_without_data_is_a_user_error(tmp_path):
+    """A recipe run before its data stage: one line saying what to run, no traceback."""
+    from specsamp.errors import UserError
+
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    tc = FeatureTrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "out"))
+    with pytest.raises(UserError, match="distill-data"):
+        train_feature_draft(_target(), tc)
+
+
+def test_distill_command_traces_its_programs_with_batched_products(monkeypatch):
+    """`specsamp distill` needs no bit-equal rows: its programs run batched (several times
+    faster), and decoding's per-row default is back afterwards."""
+    from specsamp import reductions
+    from specsamp.commands import distill as distill_cmd
+
+    seen = []
+    monkeypatch.setattr(distill_cmd, "_run", lambda args: seen.append(reductions.per_row()) or 0)
+    before = reductions.per_row()
+    assert distill_cmd.run(None) == 0
+    assert seen == [False] and reductions.per_row() == before

@@ -26,6 +26,7 @@ import numpy as np
 
 from specsamp.distill import data as data_mod
 from specsamp.distill import train as train_mod
+from specsamp.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,9 @@ def train_feature_draft(target, tc: FeatureTrainConfig, log: Callable[[str], Non
         ensure_features(target, os.path.join(tc.data_dir, split), log)
     data = load_split(os.path.join(tc.data_dir, "train"))
     heldout = load_split(os.path.join(tc.data_dir, "heldout"))
+    if not data or not heldout:
+        raise UserError(f"no training data in {tc.data_dir} (train and held-out shards): run "
+                        "`specsamp distill-data --config <this config>` first")
     cfg, trainable, frozen = initial_params(target, tc, data)
     os.makedirs(tc.out_dir, exist_ok=True)
 
