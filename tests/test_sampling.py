@@ -82,6 +82,33 @@ def test_nucleus_fast_and_full_paths_match_reference(scale):
         np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)
 
 
+@pytest.mark.parametrize("scale,lo,hi", [(2.5, 256, 4096), (0.2, 4096, 6000)])
+def test_nucleus_second_tier_and_full_sort_match_reference(scale, lo, hi):
+    """A nucleus of 256-4,096 tokens is cut among the top 4,096 (second tier), a wider one
+    after a full sort: both give the reference's distribution."""
+    rng = np.random.default_rng(2)
+    logits = (rng.normal(size=(2, 6000)) * scale).astype(np.float32)
+    got = np.asarray(probs_from_logits(jnp.asarray(logits), SamplingParams(1.0, 0, 0.9)))
+    kept = (got > 0).sum(axis=-1)
+    assert ((kept > lo) & (kept <= hi)).all(), kept
+    for row, out in zip(logits, got):
+        np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)
+
+
+def test_top_k_and_nucleus_cut_compile_without_a_full_sort():
+    """XLA:CPU turns a sliced lax.top_k into a sort of the whole row (~7 ms at 49k
+    tokens); `sampling.top_k` keeps its fast call. Top-k sampling has no sort at all; with
+    top-p, the only sort is the wide-nucleus fallback's. Catches the barrier removed."""
+    logits = jnp.zeros((1, 4096), jnp.float32)
+
+    def sorts(sp):
+        text = jax.jit(lambda x: probs_from_logits(x, sp)).lower(logits).compile().as_text()
+        return text.count(" sort(")
+
+    assert sorts(SamplingParams(1.0, 50, 1.0)) == 0
+    assert sorts(SamplingParams(1.0, 0, 0.9)) == 1
+
+
 def test_nucleus_batch_of_one_wide_and_one_peaked_row():
     """The fast path may serve a batch only when EVERY row's nucleus fits in the top 256:
     catches a coverage check over any row instead of all (the wide row would then keep at

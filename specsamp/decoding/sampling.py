@@ -34,7 +34,7 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     logits = logits / sp.temperature
     neg = jnp.finfo(jnp.float32).min
     if 0 < sp.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
+        kth = top_k(logits, sp.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, neg)
     probs = softmax(logits)
     if sp.top_p < 1.0:
@@ -42,33 +42,54 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return probs
 
 
-_NUCLEUS_FAST_K = 256
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` behind an optimization barrier. XLA:CPU runs lax.top_k as its fast TopK
+    call only while nothing slices the result inside the same program; the k-th value's
+    `[..., -1:]` or a running sum's shifted slices let it rewrite top_k into a full sort of
+    the row: ~7.5 ms against ~0.2 ms for a 49,152-token row (docs/measurements.md). The
+    barrier changes no value."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+
+
+# The nucleus cut is looked for among the largest 256, then 4,096 tokens (lax.top_k), and
+# only then in a full sort of the row (~10 ms for 49,152 tokens on a CPU).
+_NUCLEUS_TIERS = (256, 4096)
 
 
 def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     """Keep the most likely tokens until their mass reaches top_p.
 
     A full sort of a large vocabulary's probabilities costs more than a decode step, so the
-    cut is first looked for among the 256 largest (lax.top_k, far cheaper); only when some
-    row's nucleus is wider does the whole array get sorted. The full
-    path's running mass continues the fast path's (the top's cumulative sum, then the rest's
-    added to its total), so where the top covers top_p both paths see bit-identical masses
-    and give bit-identical cuts: which path ran never changes a row's distribution.
+    cut is first looked for among the 256 largest (lax.top_k, far cheaper), then among the
+    4,096 largest, and the whole row is sorted only when some row's nucleus is wider still.
+    Every tier's running mass is the same numbers: the top 256's running sum, then the
+    running sum of what follows added to its total (a running sum's entry depends only on
+    the entries before it, `reductions.cumsum`), so where a smaller tier covers top_p the
+    larger ones see bit-identical masses and give bit-identical cuts: which tier ran never
+    changes a row's distribution.
     """
     v = probs.shape[-1]
-    fast_k = min(_NUCLEUS_FAST_K, v)
-    top = jax.lax.top_k(probs, fast_k)[0]
+    first, second = min(_NUCLEUS_TIERS[0], v), min(_NUCLEUS_TIERS[1], v)
+    top = top_k(probs, first)[0]
     top_mass = cumsum(top)
-    # Covered: the top's own running mass (the very numbers the cut compares) reaches
-    # top_p, so no token past the top can be inside the nucleus.
-    covered = top_mass[..., -1] >= top_p
+
+    def continued(rest):  # the running mass past the top 256
+        return jnp.concatenate([top_mass, top_mass[..., -1:] + cumsum(rest)], axis=-1)
 
     def full():
-        rest = -jnp.sort(-probs, axis=-1)[..., fast_k:]
-        mass = jnp.concatenate([top_mass, top_mass[..., -1:] + cumsum(rest)], axis=-1)
-        return _smallest_kept(jnp.concatenate([top, rest], axis=-1), mass, top_p)
+        rest = -jnp.sort(-probs, axis=-1)[..., first:]
+        return _smallest_kept(jnp.concatenate([top, rest], axis=-1), continued(rest), top_p)
 
-    cut = jax.lax.cond(jnp.all(covered) | (fast_k == v), lambda: _smallest_kept(top, top_mass, top_p), full)
+    def wider():
+        top2 = top_k(probs, second)[0]
+        mass2 = continued(top2[..., first:])
+        return jax.lax.cond(jnp.all(mass2[..., -1] >= top_p) | (second == v),
+                            lambda: _smallest_kept(top2, mass2, top_p), full)
+
+    # Covered: a tier's own running mass (the very numbers the cut compares) reaches
+    # top_p in every row, so no token past the tier can be inside any row's nucleus.
+    cut = jax.lax.cond(jnp.all(top_mass[..., -1] >= top_p) | (first == v),
+                       lambda: _smallest_kept(top, top_mass, top_p), wider)
     kept = jnp.where(probs >= cut, probs, 0.0)
     return kept / tree_sum(kept, keepdims=True)
 
