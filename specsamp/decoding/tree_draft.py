@@ -81,8 +81,9 @@ def _top(x: jax.Array, width: int) -> jax.Array:
     """The indices of the `width` largest of x [..., V] in decreasing order, the first
     index first among equal values, `width` distinct indices (as lax.top_k; values of
     -inf included): one max-and-first-index pass per child over the values not taken yet.
-    (lax.top_k is a full sort of the row on a CPU, far slower than a few passes for the
-    small widths of a tree: docs/measurements.md, token trees.)"""
+    (Measured as a full sort of the row on a CPU, ~8.6 ms: XLA:CPU rewrites a lax.top_k
+    whose result is sliced into a sort, `sampling.top_k`; a few passes need no such care
+    for the small widths of a tree: docs/measurements.md, token trees.)"""
     v = x.shape[-1]
     ids = jnp.arange(v, dtype=jnp.int32)
     taken = jnp.zeros(x.shape, bool)
