@@ -81,7 +81,10 @@ def batched_products():
     devices: rows equal across batches up to rounding only, and far faster where a call
     holds many rows (a teacher-forced pass over a whole sequence, a training step, a GPU,
     where a per-row loop is one small kernel per row). For work that needs no bit-equal
-    rows: distillation's data and training (`specsamp distill`), never decoding."""
+    rows: distillation's data and training (`specsamp distill`), never decoding. A
+    program traced inside stays batched wherever JAX reuses its trace (a module-level
+    jit's cache holds no note of this flag), so use it in a process that decodes nothing
+    afterwards, as the distill commands do."""
     before = _BATCHED[0]
     _BATCHED[0] = True
     try:
