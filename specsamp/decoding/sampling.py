@@ -69,7 +69,7 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     changes a row's distribution.
     """
     v = probs.shape[-1]
-    first, second = min(_NUCLEUS_TIERS[0], v), min(_NUCLEUS_TIERS[1], v)
+    first = min(_NUCLEUS_TIERS[0], v)
     top = top_k(probs, first)[0]
     top_mass = cumsum(top)
 
@@ -80,16 +80,19 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
         rest = -jnp.sort(-probs, axis=-1)[..., first:]
         return _smallest_kept(jnp.concatenate([top, rest], axis=-1), continued(rest), top_p)
 
-    def wider():
-        top2 = top_k(probs, second)[0]
-        mass2 = continued(top2[..., first:])
-        return jax.lax.cond(jnp.all(mass2[..., -1] >= top_p) | (second == v),
-                            lambda: _smallest_kept(top2, mass2, top_p), full)
+    def tier(i: int):
+        """The cut among the largest _NUCLEUS_TIERS[i] tokens, or the next tier's."""
+        if i == len(_NUCLEUS_TIERS):
+            return full()
+        k = min(_NUCLEUS_TIERS[i], v)
+        ranked = top if i == 0 else top_k(probs, k)[0]
+        mass = top_mass if i == 0 else continued(ranked[..., first:])
+        # Covered: the tier's own running mass (the very numbers the cut compares) reaches
+        # top_p in every row, so no token past the tier can be inside any row's nucleus.
+        return jax.lax.cond(jnp.all(mass[..., -1] >= top_p) | (k == v),
+                            lambda: _smallest_kept(ranked, mass, top_p), lambda: tier(i + 1))
 
-    # Covered: a tier's own running mass (the very numbers the cut compares) reaches
-    # top_p in every row, so no token past the tier can be inside any row's nucleus.
-    cut = jax.lax.cond(jnp.all(top_mass[..., -1] >= top_p) | (first == v),
-                       lambda: _smallest_kept(top, top_mass, top_p), wider)
+    cut = tier(0)
     kept = jnp.where(probs >= cut, probs, 0.0)
     return kept / tree_sum(kept, keepdims=True)
 
