@@ -1,5 +1,6 @@
 """Build of the native CPU kernels (quantized matmuls, specsamp/quant/qkernels.cc, and
-cache attention, specsamp/quant/attention.cc), and the shim
+cache attention, specsamp/quant/attention.cc, the sampling path's row reductions,
+specsamp/quant/reduce.cc), and the shim
 for Beam's `--setup_file ./setup.py` (Dataflow workers install the project from an sdist
 built by it); all other metadata lives in pyproject.toml. TPU workers use the Dockerfile.
 
@@ -42,7 +43,7 @@ class OptionalBuildExt(build_ext):
 
 KERNELS = Extension(
     "specsamp.quant._qkernels",
-    sources=["specsamp/quant/qkernels.cc", "specsamp/quant/attention.cc"],
+    sources=["specsamp/quant/qkernels.cc", "specsamp/quant/attention.cc", "specsamp/quant/reduce.cc"],
     depends=["specsamp/quant/cpu.h", "specsamp/quant/half.h", "specsamp/quant/parallel.h",
              "specsamp/quant/q4gemm.h", "specsamp/quant/amx.h"],
     language="c++",

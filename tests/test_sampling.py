@@ -168,12 +168,13 @@ def test_nucleus_stops_where_the_prefix_mass_equals_top_p():
         assert ((got > 0).sum(axis=-1) == kept).all(), (top_p, got)
 
 
-@pytest.mark.parametrize("v", [7, 256, 1000])
+@pytest.mark.parametrize("v", [7, 256, 1000, 5000])
 def test_sample_draws_from_probs(v):
     """Catches a biased or broken inverse-CDF draw (off by one at a block edge, the wrong
     block, zeros drawn after rounding): 200,000 draws from a distribution with zeros spread
     over several 256-token blocks match it (chi-square), never hit a zero, and a point mass
-    is always its token, whatever the position."""
+    is always its token, whatever the position. (v = 5000 draws on the native kernel where
+    it runs: `sampling.NATIVE_ROWS_FROM`.)"""
     from scipy import stats
 
     from specsamp.decoding.sampling import sample
@@ -196,3 +197,82 @@ def test_sample_draws_from_probs(v):
     # one key for a batch of rows: independent rows, each inside its own support
     rows = sample(jax.random.PRNGKey(1), jnp.broadcast_to(jnp.asarray(p), (4, v)))
     assert rows.shape == (4,) and bool(jnp.all(jnp.asarray(p)[rows] > 0))
+
+
+def _kernels_or_skip():
+    """Skip where the native kernels were not built, except in CI, where they must be."""
+    import os
+
+    from specsamp.quant import kernels
+
+    error = kernels.load()
+    if error and os.environ.get("CI"):
+        pytest.fail(f"CI: {error}")
+    if error or not kernels.on_one_cpu_device():
+        pytest.skip(error or "not one CPU device")
+
+
+def _on_both_paths(monkeypatch, fn, *args):
+    """fn(*args) traced on the XLA operations (native rows switched off), then on the
+    kernels: two fresh traces, as numpy arrays."""
+    from specsamp.decoding import sampling
+
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "NATIVE_ROWS_FROM", 1 << 62)
+        xla = np.asarray(jax.jit(lambda *a: fn(*a))(*args))
+    native = np.asarray(jax.jit(lambda *a: fn(*a))(*args))
+    return xla, native
+
+
+@pytest.mark.parametrize("n", [4096, 5000, 49152, 65537])
+def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
+    """The sampling path's long rows go through the native kernels (reduce.cc), which must
+    give the XLA operations' bits: a tree sum (zero padding to a power of two, -0, inf,
+    NaN, rows of every scale, leading axes), the softmax and probabilities built on it
+    (temperature, top-k, top-p), and the draw for given uniforms (0, just below 1, random;
+    zeros in the row, a partial last block, a point mass at either end). Catches another
+    summation order (vectorised lanes, a sequential sum), the padding dropped, a draw off
+    by one at a block edge or past the last positive entry. (Under vmap too: the
+    kernels' rows are the batch's.)"""
+    _kernels_or_skip()
+    from specsamp.decoding.sampling import draw, row_sum, softmax
+
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((2, 3, n)) * np.array([1e-3, 1.0, 1e4])[:, None]).astype(np.float32)
+    x[1, 0, :7] = -0.0
+    x[1, 1, 5] = np.inf
+    x[1, 2, 9] = np.nan
+    x = jnp.asarray(x)
+    bits = lambda a: np.asarray(a).view(np.uint32)
+    xla, native = _on_both_paths(monkeypatch, row_sum, x)
+    np.testing.assert_array_equal(bits(xla), bits(native))
+    assert "specsamp_tree_sum" in jax.jit(row_sum).lower(x).as_text()  # the kernel ran
+    xla, native = _on_both_paths(monkeypatch, row_sum, -jnp.zeros((2, n)))
+    np.testing.assert_array_equal(bits(xla), bits(native))  # a row of -0: +0, as x + 0 makes it
+    logits = x[0]
+    for sp in (SamplingParams(1.0), SamplingParams(0.7, 50, 1.0), SamplingParams(0.7, 0, 0.9)):
+        xla, native = _on_both_paths(monkeypatch, lambda a: probs_from_logits(a, sp), logits)
+        np.testing.assert_array_equal(bits(xla), bits(native))
+    xla, native = _on_both_paths(monkeypatch, softmax, x[1, :2])
+    np.testing.assert_array_equal(bits(xla), bits(native))
+
+    p = rng.random((6, n)).astype(np.float32)
+    p[:, ::3] = 0.0
+    p[:, -1] = 0.0
+    p[0, 300:] = 0.0  # mass in the first blocks only
+    p[1] = 0.0
+    p[1, n - 2] = 1.0  # a point mass in the last (partial) block
+    p[2] = 0.0
+    p[2, 0] = 1e-30  # a point mass at the start, tiny
+    p[3] = 0.0
+    p[3, 10:13] = [0.25, 0.25, 0.5]  # exact running masses: at u = 0.5, t equals one of them
+    p = jnp.asarray(p / p.sum(axis=1, keepdims=True))
+    below_one = np.nextafter(np.float32(1), np.float32(0))
+    for u in (0.0, below_one, 0.5, *rng.random(5).astype(np.float32)):
+        us = jnp.full((6,), u, jnp.float32)
+        xla, native = _on_both_paths(monkeypatch, jax.vmap(draw), p, us)
+        np.testing.assert_array_equal(xla, native)
+        assert "specsamp_sample" in jax.jit(jax.vmap(draw)).lower(p, us).as_text()
+        if u == 0.5:  # the first running mass above t = 0.5, not the one equal to it
+            assert native[3] == 12, native
+        assert (np.asarray(p)[np.arange(6), native] > 0).all()

@@ -11,7 +11,9 @@ min(1, q/p), and the arrays in the residual (q - p)+. Nothing mutates them in be
 
 Every sum and running sum here is `specsamp.reductions`' fixed-order one, so a row's
 probabilities and draws are bit for bit the same in any batch (a sample depends only on
-its seed and its logits).
+its seed and its logits). On one CPU device with the native kernels, a vocabulary's sums
+and the draw run as kernels (`native_rows`) that compute the same operations in the same
+order: the same bits, at a fraction of XLA:CPU's cost for them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,39 @@ import jax.numpy as jnp
 
 from specsamp.decoding.config import SamplingParams
 from specsamp.models.argmax import first_argmax
-from specsamp.reductions import cumsum, softmax, tree_sum
+from specsamp.quant import kernels
+from specsamp.reductions import cumsum, tree_sum
+
+
+# Rows at least this long (a vocabulary) are summed, and drawn from, by the native kernels
+# where they run (`specsamp.quant.kernels`, reduce.cc): the same operations in the same
+# order, so the same bits, in one pass instead of XLA:CPU's padded copy and a dozen small
+# loops for a tree sum, and fused loops that recompute their inputs at every level of a
+# running sum (docs/measurements.md).
+NATIVE_ROWS_FROM = 4096
+
+
+def native_rows(n: int) -> bool:
+    """Whether a float32 row of n entries goes through the native kernels (decided when a
+    program is traced; the result is the same bits either way)."""
+    return n >= NATIVE_ROWS_FROM and kernels.on_one_cpu_device()
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """`reductions.tree_sum` over the last axis, kept ([..., 1]): on the kernel for long
+    float32 rows."""
+    if x.dtype == jnp.float32 and native_rows(x.shape[-1]):
+        return kernels.tree_sum(x)[..., None]
+    return tree_sum(x, keepdims=True)
+
+
+def softmax(x: jax.Array) -> jax.Array:
+    """`reductions.softmax` over the last axis, its sum a `row_sum`. The max stays in XLA:
+    XLA:CPU computes the exponentials inside the same fused operation as the max, and their
+    last bits depend on the operation that computes them, so a max taken elsewhere would
+    change the probabilities' bits."""
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / row_sum(e)
 
 
 def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -94,7 +128,7 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
 
     cut = tier(0)
     kept = jnp.where(probs >= cut, probs, 0.0)
-    return kept / tree_sum(kept, keepdims=True)
+    return kept / row_sum(kept)
 
 
 def _smallest_kept(sorted_p: jax.Array, mass: jax.Array, top_p: float) -> jax.Array:
@@ -124,12 +158,21 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 
 
 def _sample_row(key: jax.Array, p: jax.Array) -> jax.Array:
+    return draw(p, jax.random.uniform(key, (), jnp.float32))
+
+
+def draw(p: jax.Array, u: jax.Array) -> jax.Array:
+    """The token of p [V] whose running mass first exceeds u x the total (u in [0, 1)).
+    On the native kernels for a long float32 row: the same draw, bit for bit, in one pass
+    (`specsamp.quant.kernels.sample`)."""
     v = p.shape[0]
+    if p.dtype == jnp.float32 and native_rows(v):
+        return kernels.sample(p, u)
     pad = -v % _BLOCK
     blocks = jnp.pad(p, (0, pad)).reshape(-1, _BLOCK)
     sums = tree_sum(blocks)
     mass = cumsum(sums)
-    t = jax.random.uniform(key, (), jnp.float32) * mass[-1]
+    t = u * mass[-1]
     # The first block whose running mass exceeds t (the last block with mass if rounding
     # put t at the total); then the same rule inside it, against t minus the mass before.
     b = _first_above(mass, t, sums > 0)
@@ -154,5 +197,5 @@ def residual(q: jax.Array, p: jax.Array) -> jax.Array:
     """(q - p)+ normalised. Where it is all zero (q == p up to rounding: rejection then has
     probability ~0), fall back to q so the draw stays well defined."""
     diff = jnp.maximum(q - p, 0.0)
-    total = tree_sum(diff, keepdims=True)
+    total = row_sum(diff)
     return jnp.where(total > 0, diff / jnp.where(total > 0, total, 1.0), q)

@@ -1,4 +1,5 @@
-"""The native CPU kernels (qkernels.cc, attention.cc) as XLA FFI targets, and the choice of backend.
+"""The native CPU kernels (qkernels.cc, attention.cc, reduce.cc) as XLA FFI targets, and the
+choice of backend.
 
 The shared library is built from source by the package's install (`pip install -e .`, or
 `python setup.py build_ext --inplace`) with the machine's C++ compiler and the FFI headers
@@ -22,7 +23,8 @@ import numpy as np
 _LOCK = threading.Lock()
 _STATE: dict = {}
 _TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend",
-            "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax"}
+            "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax",
+            "specsamp_tree_sum": "SpecsampTreeSum", "specsamp_sample": "SpecsampSample"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -154,6 +156,25 @@ def argmax(x: jax.Array) -> jax.Array:
     out = jax.ffi.ffi_call("specsamp_argmax", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32),
                            vmap_method="broadcast_all")(rows)
     return out.reshape(lead)
+
+
+def _by_row(target: str, x: jax.Array, dtype, *more: jax.Array) -> jax.Array:
+    """One value per row of x [..., N] (float32) from the kernel `target` (reduce.cc), with
+    `more` operands of one value per row; vmapped callers batch into the same call."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1], dtype),
+                            vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), *more)
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """x [..., N] -> [...]: `specsamp.reductions.tree_sum` over the last axis, bit for bit."""
+    return _by_row("specsamp_tree_sum", x, jnp.float32)
+
+
+def sample(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """probs [..., V], u [...] uniform in [0, 1) -> [...] int32: the draw of
+    `specsamp.decoding.sampling._sample_row` with that u, bit for bit."""
+    return _by_row("specsamp_sample", probs, jnp.int32, u.astype(jnp.float32))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,

@@ -1,0 +1,159 @@
+// Row reductions of the sampling path for XLA's CPU backend, called through the FFI.
+//
+// Each kernel computes, bit for bit, what its XLA twin computes:
+//   specsamp_tree_sum   specsamp.reductions.tree_sum over the last axis (the row zero-padded
+//                       to a power of two, then halves added until one entry is left)
+//   specsamp_sample     specsamp.decoding.sampling._sample_row: the inverse-CDF draw with the
+//                       row's uniform number u, block sums of 256 entries (tree sums), their
+//                       running sum (reductions.cumsum's Hillis-Steele order), the block, then
+//                       the entry within it
+// The same float32 operations in the same order give the same bits, so whether a program
+// runs these kernels or the XLA operations never changes a probability or a draw; the
+// kernels only cost less. XLA:CPU runs a tree sum over a vocabulary as a padded copy and a
+// dozen small loops, and the draw's running sums as fused loops that recompute their inputs
+// at every level (docs/measurements.md). Only adds, one multiply, one subtraction and
+// comparisons are involved, so no contraction into fused multiply-adds can change a bit.
+//
+// Rows are independent (a row's result never depends on the others or on their count) and
+// are split between threads (parallel.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "parallel.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // sampling._BLOCK
+
+// reductions.tree_sum of x[0..n) (n >= 1); buf is scratch.
+float tree_sum(const float* x, int64_t n, std::vector<float>& buf) {
+  if (n == 1) return x[0];
+  int64_t width = 1;
+  while (width < n) width <<= 1;
+  int64_t half = width / 2;  // n > half: width is the least power of two >= n
+  buf.resize(half);
+  float* b = buf.data();
+  for (int64_t i = 0; i < n - half; ++i) b[i] = x[i] + x[i + half];
+  for (int64_t i = n - half; i < half; ++i) b[i] = x[i] + 0.0f;  // the zero padding (-0 + 0 = +0)
+  for (int64_t h = half / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) b[i] = b[i] + b[i + h];
+  return b[0];
+}
+
+// reductions.cumsum of x[0..n) in place: log2(n) rounds, entry i adding entry i - shift of
+// the round before (zero below shift); tmp is scratch.
+void cumsum(float* x, int64_t n, std::vector<float>& tmp) {
+  tmp.resize(n);
+  float* y = tmp.data();
+  for (int64_t shift = 1; shift < n; shift *= 2) {
+    for (int64_t i = 0; i < shift; ++i) y[i] = x[i] + 0.0f;
+    for (int64_t i = shift; i < n; ++i) y[i] = x[i] + x[i - shift];
+    std::copy(y, y + n, x);
+  }
+}
+
+// sampling._first_above: the first i with running[i] > t among entries with a positive
+// increment; else the last entry with a positive increment; -1 if there is none.
+int64_t first_above(const float* running, const float* increment, int64_t n, float t) {
+  int64_t last = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (increment[i] > 0.0f) {
+      if (running[i] > t) return i;
+      last = i;
+    }
+  }
+  return last;
+}
+
+struct Scratch {
+  std::vector<float> sums, mass, row, increments, tmp, buf;
+};
+
+int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
+  const int64_t nb = (v + kBlock - 1) / kBlock;
+  s.sums.resize(nb);
+  s.row.assign(kBlock, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t n = std::min(kBlock, v - b * kBlock);
+    if (n == kBlock) {
+      s.sums[b] = tree_sum(p + b * kBlock, kBlock, s.buf);
+    } else {  // the last block, zero-padded as jnp.pad does
+      std::fill(s.row.begin(), s.row.end(), 0.0f);
+      std::copy(p + b * kBlock, p + b * kBlock + n, s.row.begin());
+      s.sums[b] = tree_sum(s.row.data(), kBlock, s.buf);
+    }
+  }
+  s.mass.assign(s.sums.begin(), s.sums.end());
+  cumsum(s.mass.data(), nb, s.tmp);
+  const float t = u * s.mass[nb - 1];
+  const int64_t b = first_above(s.mass.data(), s.sums.data(), nb, t);
+  const float before = b > 0 ? s.mass[b - 1] : 0.0f;
+  const int64_t at = std::clamp<int64_t>(b, 0, nb - 1);  // dynamic_index_in_dim clamps
+  const int64_t n = std::min(kBlock, v - at * kBlock);
+  std::fill(s.row.begin(), s.row.end(), 0.0f);
+  std::copy(p + at * kBlock, p + at * kBlock + n, s.row.begin());
+  s.increments.assign(s.row.begin(), s.row.end());
+  cumsum(s.row.data(), kBlock, s.tmp);
+  const int64_t j = first_above(s.row.data(), s.increments.data(), kBlock, t - before);
+  return static_cast<int32_t>(b * kBlock + j);
+}
+
+// x [..., N] -> (rows, N), checking that `out` holds one value per row.
+bool row_shape(ffi::Buffer<ffi::F32>& x, int64_t out_size, int64_t* rows, int64_t* n) {
+  const auto d = x.dimensions();
+  if (d.size() < 1 || d.back() < 1) return false;
+  *n = d.back();
+  *rows = static_cast<int64_t>(x.element_count()) / *n;
+  return *rows == out_size;
+}
+
+ffi::Error TreeSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t rows, n;
+  if (!row_shape(x, static_cast<int64_t>(out->element_count()), &rows, &n))
+    return ffi::Error::InvalidArgument("tree_sum: expected x float32 [..., N >= 1], out float32 [...]");
+  const float* xs = x.typed_data();
+  float* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local std::vector<float> buf;
+    ys[r] = tree_sum(xs + r * n, n, buf);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> u,
+                      ffi::ResultBuffer<ffi::S32> out) {
+  int64_t rows, v;
+  if (!row_shape(probs, static_cast<int64_t>(u.element_count()), &rows, &v) ||
+      static_cast<int64_t>(out->element_count()) != rows)
+    return ffi::Error::InvalidArgument("sample: expected probs float32 [..., V >= 1], u float32 [...], "
+                                       "out int32 [...]");
+  const float* ps = probs.typed_data();
+  const float* us = u.typed_data();
+  int32_t* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local Scratch scratch;
+    ys[r] = sample_row(ps + r * v, v, us[r], scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampTreeSum, TreeSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampSample, SampleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
