@@ -200,16 +200,14 @@ def test_sample_draws_from_probs(v):
 
 
 def _kernels_or_skip():
-    """Skip where the native kernels were not built, except in CI, where they must be."""
-    import os
-
+    """Skip where the native kernels were not built (except in CI, where they must be:
+    `test_quant._kernel_or_skip`) or do not run (several devices)."""
     from specsamp.quant import kernels
+    from tests.test_quant import _kernel_or_skip
 
-    error = kernels.load()
-    if error and os.environ.get("CI"):
-        pytest.fail(f"CI: {error}")
-    if error or not kernels.on_one_cpu_device():
-        pytest.skip(error or "not one CPU device")
+    _kernel_or_skip()
+    if not kernels.on_one_cpu_device():
+        pytest.skip("the native kernels run on one CPU device")
 
 
 def _on_both_paths(monkeypatch, fn, *args):
