@@ -212,6 +212,30 @@ def test_timed_chunks_correct_the_cost_curve():
     assert slow.round_seconds(1) == pytest.approx(1.6 * 1.8, rel=0.05)  # untimed: scaled alike
 
 
+def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
+    """A chain whose one exploring chunk (or a dear curve) put it below the choice would
+    never run again, so neither its measured round seconds nor its deeper positions' rates
+    could move (a run at batch 1 kept K = 1 for 99% of its rounds where the fixed K = 2 was
+    5% faster). Every `reexplore`-th drafted-chain choice runs the other chain predicted
+    within `reexplore_within` that ran fewest chunks; a clear loss never runs, first runs
+    and plain rounds do not count. Catches a policy that never re-runs a chain, one that
+    re-runs clear losses, and one that always re-runs the same chain."""
+    def fixed(speeds):
+        policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0}), KS)
+        policy._choice = lambda *args: (KS.index(1), list(speeds))
+        return policy
+
+    rows = np.array([50.0]), np.array([100.0])
+    close = fixed([1.0, 2.0, 1.7, 1.2])  # K = 2 15% below K = 1, K = 4 40% below
+    got = [KS[close(*rows)] for _ in range(17)]
+    assert got == [1] * 8 + [2] + [1] * 7 + [2]  # the first K = 1 chunk is a first run
+    clear = fixed([1.0, 2.0, 1.4, 1.2])
+    assert [KS[clear(*rows)] for _ in range(20)] == [1] * 20
+    both = fixed([1.0, 2.0, 1.7, 1.6])  # K = 2 and K = 4 both close: they take turns
+    got = [KS[both(*rows)] for _ in range(33)]
+    assert [k for k in got if k != 1] == [2, 4, 2, 4]
+
+
 def test_a_fresh_row_at_batch_1_starts_from_the_engine_history():
     """A row with no tested tokens and no neighbours takes the rate of every row the engine
     ran (here 0.8 or 0.15), not a uniform prior's 0.5: the K it starts at follows."""

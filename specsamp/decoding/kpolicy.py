@@ -33,7 +33,13 @@ every `revisit` plain choices in a row one chunk drafts again (`KPolicy._revisit
 
 A chain K that has not run yet and is predicted within `close` of the choice runs one chunk
 first (`KPolicy._explore`), as an untried tree does: its round seconds otherwise rest on
-the curve alone.
+the curve alone. One chunk is not enough to correct them, nor its deeper positions'
+rates, and a chain predicted below the choice is never run again, so the estimates that
+keep it out would never move: every `reexplore` drafted-chain choices, one chunk
+runs at the other drafted chain (the least run so far) predicted within `reexplore_within`
+of the choice (`KPolicy._reexplored`). The curve times rounds in which a lookup drafter
+finds no match, the dearer kind, which overprices long chains most; a chunk's timed
+rounds correct that only for the K values that run.
 
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
@@ -148,12 +154,19 @@ class KPolicy:
     # shapes alike). Chunks at fewer slots than the curve's (a run's tail, compacted) do
     # not count.
     cost_weight: float = 16.0
+    # See the module's note: a chain K whose one exploring chunk (or a dear curve) left it
+    # predicted below the choice runs one more chunk every `reexplore` drafted-chain
+    # choices, where it is predicted within `reexplore_within` of the choice; a clear loss
+    # is not re-run.
+    reexplore: int = 8
+    reexplore_within: float = 0.25
 
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
         self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
         self.plain_run = 0  # plain choices in a row (`revisit`)
         self.timed: dict = {}  # shape key -> [seconds, rounds, modelled rounds] of timed chunks
+        self.chain_run = 0  # drafted-chain choices since the last re-run (`reexplore`)
 
     def observe(self, shape, seconds: float, rounds: int, slots: int,
                 modelled: float | None = None) -> None:
@@ -234,6 +247,7 @@ class KPolicy:
         best = self._revisited(best, speeds)
         if self.shapes[best] != 0:
             best = self._explore(best, speeds)
+            best = self._reexplored(best, speeds)
         self.explored.add(best)
         self.chosen.append(shape_key(self.shapes[best]))
         return best
@@ -246,6 +260,21 @@ class KPolicy:
         fresh += [i for i, k in enumerate(self.ks) if k != 0 and i not in self.explored | {best}
                   and speeds[i] >= (1 - self.close) * speeds[best]]
         return fresh[0] if fresh else best
+
+    def _reexplored(self, best: int, speeds: list[float]) -> int:
+        """`best`, or, at every `reexplore`-th drafted-chain choice, the other
+        drafted chain predicted within `reexplore_within` of it that ran fewest chunks."""
+        if best >= len(self.ks) or best not in self.explored:  # a tree, or a first run
+            return best
+        self.chain_run += 1
+        if self.chain_run < self.reexplore:
+            return best
+        others = [i for i, k in enumerate(self.ks) if k != 0 and i != best
+                  and speeds[i] >= (1 - self.reexplore_within) * speeds[best]]
+        if not others:
+            return best
+        self.chain_run = 0
+        return min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
 
     def fresh_choice(self, depth=None, branches=None) -> int:
         """The index for rows none of which has tested a draft token yet (each at the
