@@ -107,7 +107,7 @@ def test_a_round_cut_inside_its_draft_counts_only_emitted_draft_tokens():
         max_len=jnp.array([6, 10]), keys=jnp.zeros((b, 2), jnp.uint32), stop_reason=jnp.zeros(b, jnp.int32),
         calls=jnp.zeros(b, jnp.int32), round_tokens=jnp.zeros((b, r), jnp.int32),
         round_accepted=jnp.full((b, r), -1, jnp.int32), round_draft_calls=jnp.zeros((b, r), jnp.int32),
-        round_drafted=jnp.zeros((b, r), jnp.int32),
+        round_drafted=jnp.zeros((b, r), jnp.int32), round_spine=jnp.zeros((b, r), jnp.int32),
         target_cache=init_cache(cfg, b, 16))
     out = commit(state, jnp.array([[5, 6, 7, 8], [5, 9, 7, 8]]), jnp.array([4, 4]), jnp.array([3, 3]),
                  eos_ids=jnp.array([9]), stop_ids=jnp.array([-1]), drafted=3)

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.decoding.decode import Program, prefill_chunks
-from specsamp.decoding.config import shape_key, tree_widths
+from specsamp.decoding.config import shape_key
 from specsamp.decoding.costs import shape_program
-from specsamp.decoding.kpolicy import branch_counts, depth_counts
+from specsamp.decoding.kpolicy import depth_counts
 from specsamp.decoding.rounds import RawSample, from_log, round_logs
 from specsamp.decoding.shapes import prefill_groups, prompt_bucket, width_for
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS
@@ -140,9 +140,9 @@ def modelled_rounds(rounds: int, emitted: np.ndarray, mine: np.ndarray, counted:
 
 
 def _pooled(engine) -> tuple:
-    """The engine's pooled counts a policy reads: by draft position, and by (depth, width)
-    where it has trees."""
-    return (engine.depth, engine.branches) if engine.k.trees else (engine.depth,)
+    """The engine's pooled counts a policy reads: by draft position, and each tree's
+    tokens and its spines' where it has trees."""
+    return (engine.depth, engine.tree_tokens) if engine.k.trees else (engine.depth,)
 
 
 class _Run:
@@ -276,7 +276,8 @@ class _Run:
     def charge_decode(self, seconds: float, rounds: int, shape) -> float:
         """Give each row its share of a chunk that ran `rounds` rounds of `shape` (a K, or
         a Tree), and count its tested draft tokens for the K policy (a round that kept
-        fewer than K stopped at a rejection; a tree's by depth and width). A hybrid's wide
+        fewer than K stopped at a rejection; a tree round's spine counts as a chain round,
+        and the tree's tokens against its spines' go to `tree_tokens`). A hybrid's wide
         rounds (more lookup tokens than k) are left out: they run only in chunks of a
         smaller K, and their long matches, kept far more often than the model's chained
         guesses, would make the policy overrate the larger K.
@@ -284,32 +285,30 @@ class _Run:
         Returns the chunk's rounds counted by what they emitted, in rounds of the kind the
         policy models (`modelled_rounds`)."""
         tree = None if isinstance(shape, int) else shape
-        k, scored = (shape, shape) if tree is None else (tree.max_depth, tree.size)
+        k, scored = (shape, shape) if tree is None else (len(tree.spine), tree.size)
         self.totals[1] += seconds
         st = self.state
-        calls, log, widths, emitted = (np.asarray(a) for a in (
-            st.calls, st.round_accepted, st.round_drafted, st.round_tokens))
+        calls, log, widths, emitted, spine = (np.asarray(a) for a in (
+            st.calls, st.round_accepted, st.round_drafted, st.round_tokens, st.round_spine))
         self.reason = np.array(st.stop_reason)
         active = np.array(self.active(), int)
         for s in active:  # a round takes the same time for every row of the batch
             self.decode_s[self.slot_row[s]] += seconds * int(calls[s] - self.calls[s]) / max(rounds, 1)
         # Each active row's loops of this chunk (-1: a plain round), all rows at once.
-        log, widths, emitted = log[active], widths[active], emitted[active]
+        log, widths, emitted, spine = log[active], widths[active], emitted[active], spine[active]
         at = np.arange(log.shape[1])[None, :]
         mine = (at >= self.calls[active][:, None]) & (at < calls[active][:, None])
         counted = mine & (log >= 0) & (widths == scored)
         modelled = modelled_rounds(rounds, emitted, mine, counted)
+        if tree is not None:  # the spine's loops (cut where the round's output was)
+            self.engine.tree_tokens[shape_key(tree)] += (
+                float((1 + log[counted]).sum()), float((1 + np.minimum(spine, log)[counted]).sum()))
+            log = np.where(counted, np.minimum(spine, log), log)
         accepted = np.where(counted, log, 0).sum(axis=1)
         self.accepted[active] += accepted  # as `stats.loop_counts`, row by row
         self.tested[active] += accepted + (counted & (log < k)).sum(axis=1)
-        loops = log[counted]  # the pooled counts are sums over loops: every row's together
-        if tree is None:
-            depth = self.engine.depth
-            counts = zip(depth, depth_counts(loops, k, len(depth[0])))
-        else:
-            table = self.engine.branches
-            counts = zip(table, branch_counts(loops, tree_widths(tree), table[0].shape))
-        for total, part in counts:
+        depth = self.engine.depth
+        for total, part in zip(depth, depth_counts(log[counted], k, len(depth[0]))):
             total += part
         self.calls = calls.astype(np.int64)
         return modelled

@@ -113,6 +113,7 @@ def new_state(
         round_accepted=jnp.full((b, max_new), -1, jnp.int32),
         round_draft_calls=jnp.zeros((b, max_new), jnp.int32),
         round_drafted=jnp.zeros((b, max_new), jnp.int32),
+        round_spine=jnp.zeros((b, max_new), jnp.int32),
         target_cache=init_cache(prog.target, b, slots, jnp.dtype(prog.kv_cache)),
         draft=prog.drafter.init_state(b, slots) if prog.drafter is not None else None,
     )

@@ -28,7 +28,7 @@ import numpy as np
 from specsamp.compilation import compiled
 from specsamp.decoding import decode
 from specsamp.decoding.batching import Batching, Continuous, Static, steps
-from specsamp.decoding.config import KChoice, fixed_k
+from specsamp.decoding.config import KChoice, fixed_k, shape_key
 from specsamp.decoding.decode import Program
 from specsamp.decoding.rounds import RawSample
 from specsamp.decoding.shapes import width_for
@@ -37,10 +37,11 @@ from specsamp.errors import UserError
 from specsamp.mesh import replicate
 from specsamp.models import Model
 
-# policy(accepted, tested, depth[, branches]) -> index into the engine's k.shapes (its
+# policy(accepted, tested, depth[, tree_tokens]) -> index into the engine's k.shapes (its
 # k.ks, then its k.trees): accepted and tested draft tokens of each running row so far,
-# the engine's (accepted, tested) by draft position of its chain rounds, and, where it has
-# trees, of its tree rounds by (depth, width) (`specsamp.decoding.kpolicy.KPolicy`).
+# the engine's (accepted, tested) by draft position (of chain rounds, and of tree rounds'
+# spines), and, where it has trees, each tree's tokens and its spines' (`tree_tokens`;
+# `specsamp.decoding.kpolicy.KPolicy`).
 PolicyFn = Callable[..., int]
 
 
@@ -54,8 +55,9 @@ class Engine:
       (`KChoice.trees`); with more than one, `policy` picks one before each chunk of rounds.
     Statistics over every run: rounds per K or tree (`k_rounds`, a tree by its widths,
     '2x1') and per slot count (`slot_rounds`), the drafter's accepted and tested tokens
-    by draft position in chain rounds (`depth`) and by (depth, width) in tree rounds
-    (`branches`), for the K policy: a property of the drafter, not of a run; and the wall
+    by draft position in chain rounds and tree rounds' spines (`depth`), and per tree the
+    tokens its rounds emitted and those their spines would have (`tree_tokens`, keyed as
+    `k_rounds`), for the K policy: a property of the drafter, not of a run; and the wall
     seconds of inserts and chunks (`prefill_s`, `decode_s`).
     """
 
@@ -74,8 +76,7 @@ class Engine:
         self.k_rounds = collections.Counter()
         self.slot_rounds = collections.Counter()
         self.depth = (np.zeros(max(self.k.largest, 1)), np.zeros(max(self.k.largest, 1)))
-        table = (max(self.k.largest, 1), max((t.children.shape[1] for t in self.k.trees), default=1))
-        self.branches = (np.zeros(table), np.zeros(table))
+        self.tree_tokens = {shape_key(t): np.zeros(2) for t in self.k.trees}
         self.prefill_s = self.decode_s = 0.0
 
     # -- sizes ---------------------------------------------------------------------------

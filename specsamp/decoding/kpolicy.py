@@ -17,15 +17,18 @@ ones before it, pooled over every row the engine ran, scales the row's rate ther
 taken to be the first position's, the plain model.
 
 Token trees (`--tree auto`, `KChoice.trees`): beside the chains the policy weighs a few
-tree shapes, each with its own measured round seconds. A tree round keeps depth j when the
-target's token at every depth d <= j is among the w_d children drafted there; it yields
-1 + sum_j prod_{d<=j} s_d(w_d) tokens, s_d(w) the rate at which the target's token is
-among w children at depth d given the path above was kept (`expected_tree_tokens`). The
-s_d(w) are pooled over the rounds that ran, by (depth, width) (`branch_counts`, chains
-being width 1), and shrunk toward the width-1 rate at that depth: a width not tried yet
-counts as no better than one child, so each tree shape runs one chunk early on (explore)
-for its estimate to move. A row's own rate scales them as it scales a chain's. A tree
-runs only where predicted faster than the best chain by `tree_margin`.
+tree shapes, each with its own measured round seconds. A tree's spine (its first-child
+chain, `Tree.spine`) is the chain of J drafts the drafter would have proposed, so its
+rounds yield what that chain yields (the chain model above, J = the spine's length) times
+the tree's width gain: the tokens its rounds emitted over the tokens their spines alone
+would have (each round records both, `round_spine`), with `gain_weight` tokens at a gain of
+1 (a width not tried yet counts as no better than one child, so each tree runs one chunk
+early on, explore). Measured on the same rows in the same rounds, the gain does not move
+with how easy the prompts of the moment are, as rates pooled by (depth, width) over the
+run did: a tree explored on easy first prompts was predicted far above the chains and ran
+for hundreds of slower rounds (docs/measurements.md). What the spines kept counts as chain
+rounds of J drafts for the rates above, so chains are predicted as `--k auto` predicts
+them. A tree runs only where predicted faster than the best chain by `tree_margin`.
 
 Plain rounds test no draft, so a choice of plain rounds could never be undone by what the
 run shows. Where it was a close call (the best drafted shape predicted within `close`),
@@ -55,7 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specsamp.decoding.config import shape_key, tree_widths
+from specsamp.decoding.config import shape_key
 from specsamp.decoding.costs import CostCurve, cost_curve
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
@@ -74,38 +77,15 @@ def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.nda
     return accepted, tested
 
 
-def branch_counts(accepted_per_loop, widths, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(accepted, tested) [D, W] (entry [d - 1, w - 1] for depth d among w children) of
-    loops of one shape, `widths` its children per depth: a loop that kept depth n tested
-    depths 1..min(n + 1, D) and kept 1..n. `shape`: the table's (D, W), at least the
-    shape's."""
-    accepted, tested = depth_counts(accepted_per_loop, len(widths), len(widths))
-    acc, tst = np.zeros(shape), np.zeros(shape)
-    for d, w in enumerate(widths):
-        acc[d, w - 1], tst[d, w - 1] = accepted[d], tested[d]
-    return acc, tst
-
-
-def branch_rates(accepted, tested, weight: float) -> np.ndarray:
-    """s_d(w) [D, W], the rate at which the target's token is among w children at depth d
-    given the path above was kept, from pooled (accepted, tested) [D, W]: the first
-    depth's width-1 rate with a uniform prior; deeper width-1 rates shrunk toward it with
-    `weight` pseudo-observations; a wider set's shrunk toward the width-1 rate at its
-    depth (untried: no better than one child)."""
+def shrunk_rates(accepted, tested, weight: float) -> np.ndarray:
+    """Each position's rate given the ones before it, from pooled (accepted, tested) [D]:
+    the first position's with a uniform prior; deeper ones shrunk toward it with `weight`
+    pseudo-observations (untested: the first position's)."""
     accepted, tested = np.asarray(accepted, float), np.asarray(tested, float)
-    first = (accepted[0, 0] + 1.0) / (tested[0, 0] + 2.0)
-    rate = np.empty(accepted.shape)
-    rate[:, 0] = (accepted[:, 0] + weight * first) / (tested[:, 0] + weight)
-    rate[0, 0] = first
-    rate[:, 1:] = (accepted[:, 1:] + weight * rate[:, :1]) / (tested[:, 1:] + weight)
+    first = (accepted[0] + 1.0) / (tested[0] + 2.0)
+    rate = (accepted + weight * first) / (tested + weight)
+    rate[0] = first
     return rate
-
-
-def expected_tree_tokens(a, rates, widths):
-    """E[tokens per round] of a tree of `widths` (children per node by depth; all 1: a
-    chain) when depth d is kept with probability a * rates[d - 1, w_d - 1] given the
-    depths above were: 1 + the sum over depths j of the products up to j."""
-    return expected_tokens_by_position(a, [rates[d, w - 1] for d, w in enumerate(widths)], len(widths))
 
 
 def expected_tokens_by_position(a, rates, k: int):
@@ -136,8 +116,11 @@ class KPolicy:
     # what the baseline costs.
     margin: float = 0.05
     # A tree only where predicted this much faster than the best chain (plain included):
-    # the same curve error, and a tree's rates rest on fewer rounds than a chain's.
+    # the same curve error, and a tree's gain rests on fewer rounds than a chain's rates.
     tree_margin: float = 0.05
+    # Tokens at a width gain of 1 pooled with a tree's measured tokens (about 16 rounds'):
+    # one exploring chunk moves a tree's gain halfway to what it measured.
+    gain_weight: float = 32.0
     # Plain rounds test no draft, so a choice of plain rounds made on few or unlucky
     # tested tokens (a hard prompt, a slow spell during the cost curve's measurement)
     # would never be revisited. After `revisit` plain choices in a row, where the best
@@ -211,39 +194,33 @@ class KPolicy:
     def position_rates(self, depth) -> np.ndarray:
         """Each draft position's rate given the ones before it, over the rate of all tested
         positions together (what a row's alpha estimates), from the pooled (accepted,
-        tested) by position (one entry per position up to max(ks)); a position no round
-        tested yet is taken at the first one's (`branch_rates` at width 1)."""
+        tested) by position (one entry per position up to the deepest shape); a position no
+        round tested yet is taken at the first one's (`shrunk_rates`)."""
         accepted, tested = (np.asarray(a, float) for a in depth)
         overall = (accepted.sum() + 1.0) / (tested.sum() + 2.0)
-        return branch_rates(accepted[:, None], tested[:, None], self.depth_weight)[:, 0] / overall
+        return shrunk_rates(accepted, tested, self.depth_weight) / overall
 
-    def tree_rates(self, depth, branches) -> np.ndarray:
-        """s_d(w) [D, W] (`branch_rates`) over the rate of all tested depths together
-        (what a row's alpha estimates), from the chains' (accepted, tested) by position
-        (width 1) and the trees' by (depth, width)."""
-        chain_acc, chain_tst = (np.asarray(a, float) for a in depth)
-        acc, tst = (np.array(a, float) for a in branches)
-        acc[: len(chain_acc), 0] += chain_acc
-        tst[: len(chain_tst), 0] += chain_tst
-        overall = (acc.sum() + 1.0) / (tst.sum() + 2.0)
-        return branch_rates(acc, tst, self.depth_weight) / overall
+    def width_gain(self, tree: Tree, tree_tokens) -> float:
+        """The tokens a tree's rounds emitted over those their spines would have, pooled
+        with `gain_weight` tokens at 1; tree_tokens: shape key -> (tree's, spines')."""
+        kept, spine = (tree_tokens or {}).get(shape_key(tree), (0.0, 0.0))
+        return (kept + self.gain_weight) / (spine + self.gain_weight)
 
-    def tokens_per_second(self, k, alpha: np.ndarray, rates=None) -> float:
-        """k: a chain's K, or a Tree (then `rates` are `tree_rates`)."""
-        if isinstance(k, Tree):
-            tokens = expected_tree_tokens(alpha, rates, tree_widths(k))
-        elif rates is None:
-            tokens = expected_tokens(alpha, k)
-        else:
-            tokens = expected_tokens_by_position(alpha, rates if np.ndim(rates) == 1 else rates[:, 0], k)
-        return float(np.sum(tokens)) / self.round_seconds(k)
+    def tokens_per_second(self, shape, alpha: np.ndarray, rates=None, tree_tokens=None) -> float:
+        """shape: a chain's K, or a Tree (its spine's chain times its `width_gain`)."""
+        k, gain = shape, 1.0
+        if isinstance(shape, Tree):
+            k, gain = len(shape.spine), self.width_gain(shape, tree_tokens)
+        tokens = expected_tokens(alpha, k) if rates is None else expected_tokens_by_position(alpha, rates, k)
+        return gain * float(np.sum(tokens)) / self.round_seconds(shape)
 
-    def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None, branches=None) -> int:
+    def __call__(self, accepted: np.ndarray, tested: np.ndarray, depth=None, tree_tokens=None) -> int:
         """depth: (accepted, tested) draft tokens by position, pooled over rows
-        (`depth_counts`), or None for the plain model; branches: the tree rounds'
-        (accepted, tested) by (depth, width) (`branch_counts`), with trees. Returns an
-        index into `shapes`; a tree not yet run is chosen once wherever drafting is."""
-        best, speeds = self._choice(accepted, tested, depth, branches)
+        (`depth_counts`; a tree round's spine counts as a chain), or None for the plain
+        model; tree_tokens: shape key -> (tokens the tree's rounds emitted, tokens their
+        spines would have), with trees. Returns an index into `shapes`; a tree not yet run
+        is chosen once wherever drafting is."""
+        best, speeds = self._choice(accepted, tested, depth, tree_tokens)
         best = self._revisited(best, speeds)
         if self.shapes[best] != 0:
             best = self._explore(best, speeds)
@@ -276,13 +253,13 @@ class KPolicy:
         self.chain_run = 0
         return min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
 
-    def fresh_choice(self, depth=None, branches=None) -> int:
+    def fresh_choice(self, depth=None, tree_tokens=None) -> int:
         """The index for rows none of which has tested a draft token yet (each at the
         pooled prior); not in `chosen`. A run this puts at K = 0 runs without the drafter
         (`batching.steps`): plain rounds test no draft, so its chunks' choices could not
         change. Such a run counts as a plain choice towards `revisit`, so that a later
         run comes back to drafting (its first chunk) where the call was close."""
-        best, speeds = self._choice(np.zeros(1), np.zeros(1), depth, branches)
+        best, speeds = self._choice(np.zeros(1), np.zeros(1), depth, tree_tokens)
         due = self._revisit_due(best, speeds)
         if self.shapes[best] == 0:
             self.plain_run += 1
@@ -303,19 +280,12 @@ class KPolicy:
                   default=None)
         return top if top is not None and speeds[top] >= (1 - self.close) * speeds[best] else None
 
-    def _choice(self, accepted, tested, depth, branches=None) -> tuple[int, list[float]]:
+    def _choice(self, accepted, tested, depth, tree_tokens=None) -> tuple[int, list[float]]:
         """(the index of the predicted fastest shape, every shape's predicted speed)."""
-        counts = [c for c in (depth, branches) if c is not None]
-        pooled = tuple(sum(float(np.sum(c[i])) for c in counts) for i in (0, 1)) if counts else None
+        pooled = None if depth is None else tuple(float(np.sum(c)) for c in depth)
         alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float), pooled), 0.999)
-        if self.trees:  # chains and trees from one table: the chains' positions are width 1
-            deep = self._deepest()
-            depth = (np.zeros(deep),) * 2 if depth is None else depth
-            branches = (np.zeros((deep, self._widest())),) * 2 if branches is None else branches
-            rates = self.tree_rates(depth, branches)
-        else:
-            rates = None if depth is None else self.position_rates(depth)
-        speeds = [self.tokens_per_second(k, alpha, rates) for k in self.shapes]
+        rates = None if depth is None else self.position_rates(depth)
+        speeds = [self.tokens_per_second(k, alpha, rates, tree_tokens) for k in self.shapes]
         chains = speeds[: len(self.ks)]
         best = int(np.argmax(chains))
         plain = (1 + self.margin) * chains[self.ks.index(0)] if 0 in self.ks else 0.0
@@ -326,12 +296,6 @@ class KPolicy:
             if speeds[top] > (1 + self.tree_margin) * max(chains[best], plain):
                 return top, speeds
         return best, speeds
-
-    def _deepest(self) -> int:
-        return max(tuple(self.ks) + tuple(t.max_depth for t in self.trees))
-
-    def _widest(self) -> int:
-        return max(max(tree_widths(t)) for t in self.trees)
 
 
 def auto_policy(engine, batch: int, prompts) -> KPolicy:

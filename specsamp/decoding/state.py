@@ -37,6 +37,9 @@ class DecodeState:
     round_accepted: jax.Array  # [B, R] int32: draft tokens kept AND appended; -1: no draft scored
     round_draft_calls: jax.Array  # [B, R] int32: draft model calls the round made
     round_drafted: jax.Array  # [B, R] int32: draft tokens the round scored (its K; 0: plain step)
+    # [B, R] int32: draft tokens a tree round's first-child chain would have kept
+    # (`tree_acceptance.spine_kept`; at most what the round kept), 0 for other rounds.
+    round_spine: jax.Array
     target_cache: KVCache
     # The drafter's own loop state (its KV cache, the target's features it reads, ...): a
     # pytree the drafter defines (`Drafter.init_state`) and only the drafter reads; None
@@ -165,6 +168,16 @@ def _log_round(state: DecodeState, emit, accepted, drafted, running) -> DecodeSt
 
 def log_draft_calls(state: DecodeState, calls: jax.Array) -> DecodeState:
     """Record the draft calls of the round about to be committed (at index calls)."""
+    return state.replace(round_draft_calls=_log_next(state, state.round_draft_calls, calls))
+
+
+def log_spine(state: DecodeState, kept: jax.Array) -> DecodeState:
+    """Record what the spine of the tree round about to be committed kept (`round_spine`)."""
+    return state.replace(round_spine=_log_next(state, state.round_spine, kept))
+
+
+def _log_next(state: DecodeState, log: jax.Array, value: jax.Array) -> jax.Array:
+    """log [B, R] with entry `calls` of each running row set to value [B]."""
     rows = jnp.arange(state.calls.shape[0])
-    value = jnp.where(state.done, state.round_draft_calls[rows, state.calls], calls)
-    return state.replace(round_draft_calls=state.round_draft_calls.at[rows, state.calls].set(value, mode="drop"))
+    value = jnp.where(state.done, log[rows, state.calls], value)
+    return log.at[rows, state.calls].set(value, mode="drop")

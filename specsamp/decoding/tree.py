@@ -121,6 +121,18 @@ class Tree:
         return np.array([k + [-1] * (width - len(k)) for k in kids], np.int32)
 
     @functools.cached_property
+    def spine(self) -> np.ndarray:
+        """[J] int32: the first-child chain, the root's first child, then its first child,
+        and so on down to a leaf. Children are the drafter's choices in order, so the spine
+        is what a chain of J drafts would propose: what a tree keeps beyond what its spine
+        keeps is what its width gains (`tree_acceptance.spine_kept`)."""
+        nodes, node = [], -1
+        while self.children[node + 1, 0] >= 0:
+            node = int(self.children[node + 1, 0])
+            nodes.append(node)
+        return np.array(nodes, np.int32)
+
+    @functools.cached_property
     def paths(self) -> np.ndarray:
         """[N + 1, K] int32: row 0 (the root) all -1, row i + 1 the nodes from the root's
         child down to node i, by depth, padded with -1."""

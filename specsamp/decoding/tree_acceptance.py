@@ -187,3 +187,24 @@ def accept_tree_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> T
 def accept_tree_greedy_batch(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> TreeAcceptance:
     """`accept_tree_greedy` over a batch: tokens [B, N], argmax [B, N+1]."""
     return jax.vmap(lambda t, a: accept_tree_greedy(t, a, tree=tree))(tokens, argmax)
+
+
+def spine_kept(path: jax.Array, *, tree: Tree) -> jax.Array:
+    """Sampling: the draft tokens [B] the tree's spine (`Tree.spine`) kept, from the
+    accepted paths [B, K]: the depths down to which the path is the spine. At every node
+    the first child is tested first, by the chain's rule with the same uniform, so this is
+    what a chain of the spine's drafts would have kept in the same round."""
+    spine = jnp.asarray(tree.spine)
+    on = (path[:, : spine.shape[0]] == spine[None, :]).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(on, axis=1), axis=1).astype(jnp.int32)
+
+
+def spine_kept_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> jax.Array:
+    """Temperature 0: the draft tokens [B] the tree's spine kept, its leading nodes whose
+    token is the target's argmax after their parent (tokens [B, N], argmax [B, N+1]). Not
+    read off the accepted path: where a later sibling holds the same token as the spine's
+    node, the deepest path may leave the spine above where it stops matching."""
+    spine = np.asarray(tree.spine)
+    parent_rows = np.asarray(tree.parents)[spine] + 1
+    on = ((tokens[:, spine] >= 0) & (tokens[:, spine] == argmax[:, parent_rows])).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(on, axis=1), axis=1).astype(jnp.int32)

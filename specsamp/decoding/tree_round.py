@@ -11,7 +11,9 @@ tree round on the same state (`--tree auto` switches shapes between chunks).
 
 Statistics: a tree round records drafted = N (the nodes scored, the target's extra rows)
 and accepted = the accepted depth (draft tokens kept and appended), so accepted / drafted
-is the share of scored nodes kept; tokens per target call stay the chain's meaning.
+is the share of scored nodes kept; tokens per target call stay the chain's meaning. For
+`--tree auto` it also records what its spine, the first-child chain, kept (`round_spine`):
+the same round's chain, against which the tree's width is measured.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from specsamp.decoding.sampling import probs_from_logits
-from specsamp.decoding.state import DecodeState, commit_accepted, gather_window, log_draft_calls, round_keys
+from specsamp.decoding.state import (
+    DecodeState, commit_accepted, gather_window, log_draft_calls, log_spine, round_keys,
+)
 from specsamp.decoding.tree import block_paths, block_positions
-from specsamp.decoding.tree_acceptance import accept_tree_batch, accept_tree_greedy_batch
+from specsamp.decoding.tree_acceptance import (
+    accept_tree_batch, accept_tree_greedy_batch, spine_kept, spine_kept_greedy,
+)
 from specsamp.models.argmax import first_argmax
 from specsamp.models import KVCache
 from specsamp.models.tree_cache import keep_path
@@ -45,12 +51,16 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
                                    state.target_cache, head=False, paths=block_paths(tree))
     logits = target.logits(target_params, hidden)
     if prog.sampling.greedy:
-        acc = accept_tree_greedy_batch(proposal.tokens, first_argmax(logits, prog.native), tree=tree)
+        argmax = first_argmax(logits, prog.native)
+        acc = accept_tree_greedy_batch(proposal.tokens, argmax, tree=tree)
+        spine = spine_kept_greedy(proposal.tokens, argmax, tree=tree)
     else:
         q = probs_from_logits(logits, prog.sampling)
         p = jnp.zeros_like(q) if proposal.p is None else proposal.p  # None: FIXED, not read
         acc = accept_tree_batch(accept_keys, proposal.tokens, p, q, tree=tree,
                                 children=proposal.children, fixed=proposal.fixed_rows)
+        spine = spine_kept(acc.path, tree=tree)
+    state = log_spine(state, spine)
 
     kept = jnp.take_along_axis(proposal.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, K]
     # The target's features along the accepted path (root, then its nodes; the root's row
