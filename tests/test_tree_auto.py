@@ -341,6 +341,7 @@ DRAFT_SHAPES = [  # (drafter, trees): n-gram lookup (and a hybrid) drafts trees 
     ("feature", (Tree.full((2, 1)), Tree.full((2, 2)))),
     ("ngram", (Tree.full((2, 1)), Tree.full((3, 1)))),
     ("hybrid", (Tree.full((2, 1)), Tree.full((2, 1, 1)))),  # lookup rows and draft rows mixed
+    ("hybrid-wide", (Tree.full((3, 1)), Tree.full((2, 1, 1)))),  # wide lookup rounds in K = 1 chunks
 ]
 
 
@@ -361,6 +362,8 @@ def test_switching_chains_and_trees_keeps_greedy_output(drafter, trees):
     assert [r.token_ids for r in got] == want
     assert set(eng.k_rounds) == {0, 1, 3} | {"x".join(map(str, tree_widths(t))) for t in trees}
     assert {d for r in got for d in r.drafted} >= {t.size for t in trees}
+    if drafter == "hybrid-wide":  # 3 lookup tokens scored: only wide rounds (trees score 6)
+        assert 3 in {d for r in got for d in r.drafted}
     for key, (kept, spine) in eng.tree_tokens.items():  # the trees' tokens, and their spines'
         assert kept >= spine > 0, key
     if drafter in ("model", "feature"):  # every round drafts: somewhere a later child was kept

@@ -111,8 +111,10 @@ AUTO_K = KChoice((0, 1, 2, 4), auto=True, wide=3)
 # goes where a chain most often fails, the first draft token (2x1, 3x1) or the first two
 # (2x2), with a longer branch (2x1x1) for drafts that keep deep positions. Every shape but
 # 2x2 is a tree of branches, which n-gram lookup drafts too (`NgramDrafter.check_tree`).
+# A hybrid's wide rounds as under `--k auto`: without them `--tree auto` ran 3-5% below
+# `--k auto` at batch 1 whatever it chose (docs/measurements.md).
 AUTO_TREES = tuple(Tree.full(w) for w in ((2, 1), (2, 1, 1), (3, 1), (2, 2)))
-TREE_AUTO = KChoice(AUTO_K.ks, auto=True, trees=AUTO_TREES)
+TREE_AUTO = KChoice(AUTO_K.ks, auto=True, wide=AUTO_K.wide, trees=AUTO_TREES)
 
 
 def tree_widths(tree: Tree) -> tuple[int, ...]:
