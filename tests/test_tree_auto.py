@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
+from specsamp.analysis.throughput import width_gains
 from specsamp.decoding import tree_draft
 from specsamp.decoding.config import AUTO_TREES, KChoice, SamplingParams, parse_tree, trees_for
 from specsamp.decoding.costs import CostCurve
@@ -464,8 +465,13 @@ def test_generate_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
             "--draft", "early-exit:1", "--tree", "auto"]
     text = _cli(args, tmp_path)  # measures the cost curve, then reads it from disk below
     assert text.returncode == 0 and "tree auto (rounds by shape, a K or a tree: " in text.stderr, text.stderr
+    assert "trees' tokens over their spines': " in text.stderr
     obj = json.loads(_cli(args + ["--json"], tmp_path).stdout)
     assert obj["tree"] == "auto" and obj["k"] == -1
+
+
+def test_width_gains_of_the_trees_that_ran():
+    assert width_gains({"2x1": (30.0, 24.0), "3x1": (0.0, 0.0)}) == {"2x1": 1.25}
 
 
 def test_rounds_by_shape_orders_chains_then_trees():
@@ -502,3 +508,6 @@ def test_bench_throughput_with_tree_auto_on_a_tiny_checkpoint(tmp_path):
     assert tree["generated_tokens"] == rows[0]["generated_tokens"]
     assert sum(tree["k_rounds"].values()) == tree["rounds"] > 0
     assert set(tree["k_rounds"]) <= {"0", "1", "2", "4", "2x1", "2x1x1", "3x1"}
+    gains = tree["tree_gain"]  # each tree that ran a drafted round: its tokens over its spines'
+    assert set(gains) <= {k for k in tree["k_rounds"] if "x" in k} and all(g >= 1.0 for g in gains.values())
+    assert "tree_gain" not in rows[2]

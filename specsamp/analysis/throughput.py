@@ -57,6 +57,7 @@ class Measure:
     decode_s: float = 0.0
     rounds: int = 0
     k_rounds: dict = dataclasses.field(default_factory=dict)
+    tree_tokens: dict = dataclasses.field(default_factory=dict)  # `Engine.tree_tokens` of the runs
 
 
 class _Setting:
@@ -81,6 +82,7 @@ class _Setting:
         m.prompts += len(prompts)
         m.prompt_tokens += sum(len(p) for p in prompts)
         before = eng.prefill_s, eng.decode_s, collections.Counter(eng.k_rounds)
+        trees_before = {key: tuple(v) for key, v in eng.tree_tokens.items()}
         samples = yield from eng.steps(prompts, list(group), batching=self.batching)
         m.generated += sum(len(r.token_ids) for r in samples)
         m.prefill_s += eng.prefill_s - before[0]
@@ -88,6 +90,9 @@ class _Setting:
         k_rounds = collections.Counter(m.k_rounds) + (eng.k_rounds - before[2])
         m.k_rounds = dict(k_rounds)
         m.rounds = sum(k_rounds.values())
+        for key, (kept, spine) in eng.tree_tokens.items():
+            was, old = m.tree_tokens.get(key, (0.0, 0.0)), trees_before[key]
+            m.tree_tokens[key] = (was[0] + kept - old[0], was[1] + spine - old[1])
 
 
 _DONE = object()
@@ -206,6 +211,13 @@ def rounds_by_shape(k_rounds) -> dict[str, int]:
     return {str(key): k_rounds[key] for key in order}
 
 
+def width_gains(tree_tokens) -> dict[str, float]:
+    """Each tree that ran (`Engine.tree_tokens`): the tokens its rounds emitted over those
+    their spines (first-child chains) kept in the same rounds, what its width gained
+    (the K policy's `width_gain` before shrinkage)."""
+    return {key: float(kept / spine) for key, (kept, spine) in tree_tokens.items() if spine > 0}
+
+
 def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
     decode = stats.ratio(m.generated, m.decode_s)
     base_decode = stats.ratio(base.generated, base.decode_s)
@@ -221,6 +233,7 @@ def _row(batch, batching, drafter, k, m: Measure, base: Measure) -> dict:
         "prefill_s": m.prefill_s, "decode_s": m.decode_s, "rounds": m.rounds,
         "tokens_per_slot_round": stats.ratio(m.generated, m.rounds * batch),
         "k_rounds": rounds_by_shape(m.k_rounds),
+        **({"tree_gain": width_gains(m.tree_tokens)} if m.tree_tokens else {}),
     }
 
 

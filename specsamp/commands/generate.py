@@ -49,6 +49,7 @@ def run(args) -> int:
     import collections
     import time
 
+    from specsamp.analysis.throughput import width_gains
     from specsamp.decoding.generator import load_generator
     from specsamp.runconfig import K_AUTO as TABLE_K_AUTO
     from specsamp.runconfig import k_label
@@ -77,8 +78,10 @@ def run(args) -> int:
         + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in rounds_at_k(s).items()) + ")"
            if s["k"] == TABLE_K_AUTO and s["tree"] != "auto" else "")
         + (", tree auto (rounds by shape, a K or a tree: "
-           + ", ".join(f"{k}: {n}" for k, n in rounds_by_shape(gen.engine.k_rounds).items()) + ")"
-           if s["tree"] == "auto" else "")
+           + ", ".join(f"{k}: {n}" for k, n in rounds_by_shape(gen.engine.k_rounds).items())
+           + "; trees' tokens over their spines': "
+           + (", ".join(f"{k}: {g:.2f}" for k, g in width_gains(gen.engine.tree_tokens).items()) or "none ran")
+           + ")" if s["tree"] == "auto" else "")
         + f"\n    target calls {s['target_calls']}, draft calls {s['draft_calls']}, "
         f"tokens/call {s['tokens_per_call']:.2f}"
         + (f", acceptance {s['acceptance_rate']:.2f}" if c.k else "")
