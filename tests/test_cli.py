@@ -19,6 +19,7 @@ CASES = [
     (["bench", "--throughput", "--batching", "dynamic"], "--batching takes static and/or continuous"),
     (["bench", "--throughput", "--batch-size", "0,8"], "--batch-size takes integers >= 1"),
     (["bench", "--throughput", "--repeats", "0"], "--repeats must be >= 1"),
+    (["bench", "--throughput", "--temperature", "0,1"], "runs one sampling setting"),
     (["bench", "--repeats", "0"], "--repeats must be >= 1"),
     (["generate", "--prompt", "hi", "--draft", "ngram+"], "a hybrid drafter is 'ngram[:N]+"),
     (["generate", "--prompt", "hi", "--draft", "ngram+/no/such/draft"], "feature-conditioned"),

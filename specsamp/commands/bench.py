@@ -174,6 +174,9 @@ def run_throughput_command(args) -> int:
         raise UserError(f"--batch-size takes integers >= 1, got {args.batch_size}")
     if set(args.batching) - {"static", "continuous"} or not args.batching:
         raise UserError(f"--batching takes static and/or continuous, got {args.batching}")
+    if len(args.temperature) > 1 or len(args.top_p) > 1:
+        raise UserError("bench --throughput runs one sampling setting: give one --temperature and "
+                        f"one --top-p (got {args.temperature} and {args.top_p})")
     prompts, chat = _prompts(args)
     sp = SamplingParams(args.temperature[0], args.top_k, args.top_p[0])
     status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
