@@ -49,6 +49,22 @@ def _write(path: str, **arrays) -> None:
     os.replace(tmp, path)
 
 
+def features_path(shard: str) -> str:
+    """Where a shard's cached hidden states live: <split>/../features/<split>/<name>.npy."""
+    split_dir, name = os.path.split(shard)
+    return os.path.join(os.path.dirname(split_dir), "features", os.path.basename(split_dir),
+                        name[:-len(".npz")] + ".npy")
+
+
+def _write_features(shard: str, hidden: np.ndarray) -> None:
+    """Written before the shard itself, so a shard on disk always has its features (a run
+    killed between the two leaves features that the rerun overwrites)."""
+    dest = features_path(shard)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    np.save(dest + ".tmp.npy", hidden)
+    os.replace(dest + ".tmp.npy", dest)
+
+
 def load_shards(folder: str) -> list[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
@@ -64,7 +80,10 @@ def concat(shards: list[dict]) -> dict:
 
 
 class Teacher:
-    """Top-k next-token probabilities of the target for whole sequences, in one forward."""
+    """Top-k next-token probabilities of the target for whole sequences, in one forward,
+    and the final hidden states of that forward (float16): the feature draft's inputs,
+    cached beside the shard (`specsamp.distill.feature.features_path`) so that training
+    need not run the target again."""
 
     def __init__(self, target, seq_len: int, batch: int, top_k: int):
         import jax
@@ -77,26 +96,29 @@ class Teacher:
 
         @jax.jit
         def forward(params, tokens):
-            logits = Model(cfg).full_forward(params, tokens)
-            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            model = Model(cfg)
+            hidden = model.full_forward(params, tokens, head=False)
+            probs = jax.nn.softmax(model.logits(params, hidden).astype(jnp.float32), axis=-1)
             p, ids = jax.lax.top_k(probs, top_k)
-            return ids, p
+            return ids, p, hidden.astype(jnp.float16)
 
         self._forward = forward
 
     def __call__(self, tokens: np.ndarray):
-        """tokens [N, T] -> (top_ids uint16 [N, T, k], top_p float16 [N, T, k])."""
+        """tokens [N, T] -> (top_ids uint16 [N, T, k], top_p float16 [N, T, k],
+        hidden float16 [N, T, D])."""
         n = tokens.shape[0]
-        ids_out, p_out = [], []
+        outs = []
         for i in range(0, n, self.batch):
             chunk = tokens[i:i + self.batch]
             pad = self.batch - chunk.shape[0]
             if pad:
                 chunk = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)])
-            ids, p = self._forward(self.params, chunk)
-            ids_out.append(np.asarray(ids)[: self.batch - pad].astype(np.uint16))
-            p_out.append(np.asarray(p)[: self.batch - pad].astype(np.float16))
-        return np.concatenate(ids_out), np.concatenate(p_out)
+            ids, p, hidden = self._forward(self.params, chunk)
+            keep = self.batch - pad
+            outs.append((np.asarray(ids)[:keep].astype(np.uint16),
+                         np.asarray(p)[:keep].astype(np.float16), np.asarray(hidden)[:keep]))
+        return tuple(np.concatenate(parts) for parts in zip(*outs))
 
 
 class Sampler:
@@ -167,7 +189,8 @@ def build(cfg: DataConfig, target, log: Callable[[str], None] = print,
         seqs = sampler(index + (10_000 if split == "heldout" else 0), [ids for _, ids in items])
         tokens, mask = _rows(seqs, [len(ids) for _, ids in items], cfg.seq_len)
         t1 = time.time()
-        top_ids, top_p = teacher(tokens)
+        top_ids, top_p, hidden = teacher(tokens)
+        _write_features(path, hidden)
         _write(path, tokens=tokens, mask=mask, domain=np.array([d for d, _ in items], np.uint8),
                top_ids=top_ids, top_p=top_p)
         log(f"{split} shard {index}: {int(mask.sum())} positions, "
@@ -180,7 +203,8 @@ def build(cfg: DataConfig, target, log: Callable[[str], None] = print,
         if os.path.exists(path) or not chunks:  # the generator still advances: same data on resume
             return
         tokens, mask = _rows(chunks, [1] * len(chunks), cfg.seq_len)
-        top_ids, top_p = teacher(tokens)
+        top_ids, top_p, hidden = teacher(tokens)
+        _write_features(path, hidden)
         _write(path, tokens=tokens, mask=mask, domain=np.zeros(len(chunks), np.uint8),
                top_ids=top_ids, top_p=top_p)
 

@@ -48,6 +48,10 @@ class FeatureTrainConfig:
     eval_every: int = 150
     max_minutes: float | None = None
     seed: int = 0
+    # A saved feature draft (a folder, a name such as smollm2-feature) to start from instead
+    # of target layer `init_layer`: its weights and its head's token ids (more data for a
+    # shipped draft without retraining it from the start).
+    init_from: str | None = None
 
 
 def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) -> None:
@@ -57,9 +61,6 @@ def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) 
 
     from specsamp.models import Model
 
-    out_dir = os.path.join(os.path.dirname(split_dir.rstrip("/")), "features",
-                           os.path.basename(split_dir.rstrip("/")))
-    os.makedirs(out_dir, exist_ok=True)
     cfg = target.cfg
 
     @jax.jit
@@ -69,9 +70,10 @@ def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) 
     for path in sorted(glob.glob(os.path.join(split_dir, "*.npz"))):
         if path.endswith(".tmp.npz"):
             continue
-        dest = os.path.join(out_dir, os.path.basename(path)[:-4] + ".npy")
-        if os.path.exists(dest):
+        dest = data_mod.features_path(path)
+        if os.path.exists(dest):  # written by `distill-data` beside the shard, or earlier here
             continue
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
         with np.load(path) as z:
             tokens = z["tokens"]
         feats = np.concatenate([np.asarray(hidden(jnp.asarray(tokens[i:i + 4])))
@@ -84,11 +86,9 @@ def ensure_features(target, split_dir: str, log: Callable[[str], None] = print) 
 def load_split(split_dir: str) -> dict:
     """Shards of one split with their cached features, concatenated (only shards whose
     features exist)."""
-    feat_dir = os.path.join(os.path.dirname(split_dir.rstrip("/")), "features",
-                            os.path.basename(split_dir.rstrip("/")))
     shards = []
     for shard in sorted(glob.glob(os.path.join(split_dir, "*.npz"))):
-        feat = os.path.join(feat_dir, os.path.basename(shard)[:-4] + ".npy")
+        feat = data_mod.features_path(shard)
         if shard.endswith(".tmp.npz") or not os.path.exists(feat):
             continue
         with np.load(shard) as z:
@@ -152,14 +152,35 @@ def initial_params(target, tc: FeatureTrainConfig, train_data: dict):
     `init_layer`; frozen: the borrowed embedding and the reduced head."""
     from specsamp.models.feature_draft import BORROWED, init_feature_draft, reduced_head
 
-    cfg, params = init_feature_draft(target.cfg, target.params, tc.n_layers, tc.seed, tc.init_layer)
-    ids = train_mod.token_subset(train_data, tc.head_vocab)
-    ids = np.union1d(ids, np.asarray(target.tokenizer.eos_ids, np.int32)).astype(np.int32)
+    if tc.init_from:
+        cfg, params = _saved_draft(target, tc)
+        ids = np.unique(np.asarray(params["head_ids"]))  # drops decoding's padding
+    else:
+        cfg, params = init_feature_draft(target.cfg, target.params, tc.n_layers, tc.seed,
+                                         tc.init_layer)
+        ids = train_mod.token_subset(train_data, tc.head_vocab)
+        ids = np.union1d(ids, np.asarray(target.tokenizer.eos_ids, np.int32)).astype(np.int32)
     params.update(reduced_head(target.cfg, target.params, ids))
     frozen_keys = set(BORROWED) | {"head_ids"}
     trainable = {k: v for k, v in params.items() if k not in frozen_keys}
     frozen = {k: v for k, v in params.items() if k in frozen_keys}
     return cfg, trainable, frozen
+
+
+def _saved_draft(target, tc: FeatureTrainConfig):
+    """(cfg, params) of the feature draft `tc.init_from`, in float32 as training needs."""
+    from specsamp.decoding.drafts import resolve
+    from specsamp.models.feature_draft import is_feature_draft, load_feature_draft
+
+    path = resolve(tc.init_from)
+    if not is_feature_draft(path):
+        raise UserError(f"init_from: {tc.init_from} is not a saved feature draft "
+                        f"(no specsamp_draft.json of kind 'feature' there)")
+    cfg, params = load_feature_draft(path, target)
+    if cfg.n_layers != tc.n_layers:
+        raise UserError(f"init_from: {tc.init_from} has {cfg.n_layers} layer(s); this "
+                        f"recipe trains n_layers = {tc.n_layers}")
+    return cfg, params
 
 
 def train_feature_draft(target, tc: FeatureTrainConfig, log: Callable[[str], None] = print) -> dict:
