@@ -484,6 +484,9 @@ def test_rounds_by_shape_orders_chains_then_trees():
     counts = collections.Counter({"2x1": 3, 4: 1, 0: 2, "2x1x1": 1, 2: 5})
     assert list(rounds_by_shape(counts).items()) == [
         ("0", 2), ("2", 5), ("4", 1), ("2x1", 3), ("2x1x1", 1)]
+    counts.update({1: 0, "3x1": 0})  # shapes the policy could pick that never ran
+    assert list(rounds_by_shape(counts, ran_only=True)) == ["0", "2", "4", "2x1", "2x1x1"]
+    assert len(rounds_by_shape(counts)) == 7
 
 
 @pytest.mark.slow

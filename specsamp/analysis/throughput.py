@@ -204,11 +204,12 @@ def _run_rates(runs: list[list[tuple[int, float]]]) -> list[list[float]]:
     return out
 
 
-def rounds_by_shape(k_rounds) -> dict[str, int]:
+def rounds_by_shape(k_rounds, ran_only: bool = False) -> dict[str, int]:
     """An engine's rounds per shape (`Engine.k_rounds`: int K for chains, '2x1' for trees,
-    both under tree auto) keyed by the shape's text, chains by K first, then trees."""
+    both under tree auto) keyed by the shape's text, chains by K first, then trees;
+    ran_only: without the shapes that never ran."""
     order = sorted(k_rounds, key=lambda key: (isinstance(key, str), str(key).rjust(8)))
-    return {str(key): k_rounds[key] for key in order}
+    return {str(key): k_rounds[key] for key in order if k_rounds[key] or not ran_only}
 
 
 def width_gains(tree_tokens) -> dict[str, float]:

@@ -38,18 +38,11 @@ def rounds_at_k(s: dict) -> dict[int, int]:
     return dict(sorted(rounds.items()))
 
 
-def rounds_by_shape(k_rounds) -> dict:
-    """An engine's rounds per shape (`Engine.k_rounds`: a chain's K, 0 for plain rounds, or
-    a tree's widths), chains first by K, then the trees, leaving out shapes that never ran."""
-    ran = {k: n for k, n in k_rounds.items() if n}
-    return dict(sorted(ran.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0]).zfill(3))))
-
-
 def run(args) -> int:
     import collections
     import time
 
-    from specsamp.analysis.throughput import width_gains
+    from specsamp.analysis.throughput import rounds_by_shape, width_gains
     from specsamp.decoding.generator import load_generator
     from specsamp.runconfig import K_AUTO as TABLE_K_AUTO
     from specsamp.runconfig import k_label
@@ -78,7 +71,7 @@ def run(args) -> int:
         + (" (rounds at K: " + ", ".join(f"{k}: {n}" for k, n in rounds_at_k(s).items()) + ")"
            if s["k"] == TABLE_K_AUTO and s["tree"] != "auto" else "")
         + (", tree auto (rounds by shape, a K or a tree: "
-           + ", ".join(f"{k}: {n}" for k, n in rounds_by_shape(gen.engine.k_rounds).items())
+           + ", ".join(f"{k}: {n}" for k, n in rounds_by_shape(gen.engine.k_rounds, ran_only=True).items())
            + "; trees' tokens over their spines': "
            + (", ".join(f"{k}: {g:.2f}" for k, g in width_gains(gen.engine.tree_tokens).items()) or "none ran")
            + ")" if s["tree"] == "auto" else "")
