@@ -38,7 +38,7 @@ def _dataset(n_rows: int, seed: int) -> dict:
     tokens = rng.integers(0, V, size=(n_rows, T)).astype(np.int32)
     mask = np.ones((n_rows, T), np.uint8)
     mask[:, -1] = 0
-    ids, p = data_mod.Teacher(_target(), T, 8, top_k=V)(tokens)
+    ids, p, _ = data_mod.Teacher(_target(), T, 8, top_k=V)(tokens)
     return {"tokens": tokens, "mask": mask, "domain": (np.arange(n_rows) % 2).astype(np.uint8),
             "top_ids": ids, "top_p": p}
 
