@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 
 SHIPPED = {
-    # Feature-conditioned draft for the embedded SmolLM2-135M-Instruct:
-    # configs/distill_wide2.yaml (data) + configs/distill_feature.yaml (training).
+    # Feature-conditioned draft for the embedded SmolLM2-135M-Instruct: the first draft
+    # (configs/distill_wide2.yaml + configs/distill_feature.yaml) trained on further with
+    # 2.5x the data (configs/distill_feature2.yaml).
     "smollm2-feature": "smollm2_135m_instruct_feature",
 }
 
