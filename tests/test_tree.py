@@ -55,6 +55,37 @@ def test_constructors_and_validation():
     assert hash(Tree((-1, 0))) == hash(Tree([-1, 0]))  # usable as a static jit argument
 
 
+def _level_order(parents) -> bool:
+    depth = Tree(parents).depth
+    return bool(np.all(np.diff(depth) >= 0))
+
+
+def test_rank_paths_round_trip():
+    """Catches a rank counted among the wrong siblings, a parent looked up by the wrong
+    prefix, nodes not numbered level by level, and a tree text that does not parse back:
+    every level-ordered shape (depth <= 3, width <= 3) through its rank paths and its text."""
+    from specsamp.decoding.config import parse_tree, tree_text
+
+    for parents in SHAPES:
+        tree = Tree(parents)
+        for i, path in enumerate(tree.rank_paths):  # brute force: ranks along the parent walk
+            up = _up(parents, i)[::-1]
+            assert len(path) == len(up)
+            for node, rank in zip(up, path):
+                assert rank == 1 + sum(1 for j in range(node) if parents[j] == parents[node])
+        if _level_order(parents):  # the same nodes, numbered level by level then by path
+            again = Tree.from_paths(tree.rank_paths)
+            assert sorted(again.rank_paths) == sorted(tree.rank_paths)
+            assert parse_tree(tree_text(tree)) == again
+            assert again == tree or parents not in shapes()
+    assert parse_tree("1-2-11-111").parents == (-1, -1, 0, 2)
+    assert tree_text(Tree((-1, -1, 0, 2))) == "1-2-11-111"
+    assert tree_text(Tree.full((2, 1))) == "2x1"  # full trees keep their widths
+    for bad in [[(1,), (3,)], [(1,), (1, 2)], [(2, 1)], [()]]:
+        with pytest.raises(ValueError):
+            Tree.from_paths(bad)
+
+
 def _brute_visible(parents, start, slots):
     n = len(parents)
     vis = np.zeros((n + 1, slots), bool)

@@ -47,6 +47,10 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     # a hybrid: lookup's branches on rows with a match, the feature draft's tree elsewhere
     ("ngram+tiny-feature-reduced", Tree.full((2, 1, 1)), None),
     ("ngram+tiny-feature", Tree.full((3, 1)), False),
+    # trees that are not full (`--tree 1-2-11-111`): a spine with a sibling at depth 1
+    ("tiny-feature", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), None),
+    ("ngram+tiny-feature", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), None),
+    ("tiny-draft", Tree.from_paths([(1,), (2,), (1, 1), (1, 2), (1, 1, 1)]), False),
 ]
 
 
@@ -76,6 +80,8 @@ SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
     ("ngram", Tree.full((2, 1, 1)), 0.7, 0, 0.9),
     ("ngram+tiny-feature-reduced", Tree.full((2, 1)), 1.0, 0, 1.0),
     ("ngram+tiny-feature", Tree.full((3, 1, 1)), 0.7, 0, 0.9),
+    ("tiny-feature", Tree.from_paths([(1,), (2,), (1, 1)]), 1.0, 0, 1.0),
+    ("ngram+tiny-feature-reduced", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), 0.7, 0, 0.9),
 ]
 
 
@@ -160,6 +166,8 @@ CLI_CASES = [
     (["generate", "--prompt", "hi", "--tree", "2x2", "--draft", "none"], "a token tree needs a drafter"),
     (["generate", "--prompt", "hi", "--tree", "4x4x4x4"], "at most 64"),
     (["bench", "--tree", "2x2,3xq"], "tree must be 'off' or widths per depth"),
+    (["generate", "--prompt", "hi", "--tree", "1-3"], "its sibling (2,) is not in the tree"),
+    (["generate", "--prompt", "hi", "--tree", "1-2-11-12", "--draft", "ngram"], "trees of branches"),
     (["bench", "--throughput", "--tree", "2x2"], "--tree is for the latency bench"),
 ]
 

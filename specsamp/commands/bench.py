@@ -30,8 +30,9 @@ def register(sub) -> None:
                         "(default 4,auto)")
     p.add_argument("--tree", type=_list(str), default=[],
                    help="token trees to bench beside the K chains, widths per depth, e.g. "
-                        "3x1x1,2x2 (any drafter; ngram and ngram+<draft>: trees of branches, "
-                        "like 3x1x1; not with --throughput); with "
+                        "3x1x1,2x2, or nodes as rank paths, e.g. 1-2-11 (any drafter; ngram and "
+                        "ngram+<draft>: trees of branches, like 3x1x1 or 1-2-11; not with "
+                        "--throughput); with "
                         "--throughput only 'auto': a setting whose K policy weighs small trees "
                         "beside the chains (K column tree-auto)")
     p.add_argument("--temperature", type=_list(float), default=[0.0], help="e.g. 0,1")

@@ -125,8 +125,11 @@ def tree_widths(tree: Tree) -> tuple[int, ...]:
 
 
 def tree_text(tree: Tree) -> str:
-    """A full tree's widths per depth as `parse_tree` reads them, '2x1'."""
-    return "x".join(map(str, tree_widths(tree)))
+    """A tree as `parse_tree` reads it: a full tree's widths per depth, '2x1'; any other,
+    its nodes' rank paths, '1-2-11'."""
+    if tree == Tree.full(tree_widths(tree)):
+        return "x".join(map(str, tree_widths(tree)))
+    return "-".join("".join(map(str, p)) for p in tree.rank_paths)
 
 
 def shape_key(shape) -> int | str:
@@ -194,12 +197,16 @@ MAX_TREE_NODES = 64
 
 
 def parse_tree(value) -> Tree | None:
-    """A user's tree ('off' or 'W1xW2x...', each width >= 1, at most MAX_TREE_NODES nodes
-    and 32 deep) as a Tree, or None for chains."""
+    """A user's tree as a Tree, or None for chains: 'off'; 'W1xW2x...', the widths per
+    depth (each >= 1); or its nodes, each the ranks of the drafter's choices on its path
+    from the root, joined by '-' ('1-2-11': the top two choices, and the top choice after
+    the first; ranks 1-9). At most MAX_TREE_NODES nodes and 32 deep."""
     if value is None or isinstance(value, Tree):
         return value
     if value == "off":
         return None
+    if isinstance(value, str) and "-" in value:
+        return _tree_from_paths(value)
     parts = value.split("x") if isinstance(value, str) else []
     if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise UserError(f"tree must be 'off' or widths per depth like 3x1x1 (each >= 1), got {value!r}")
@@ -210,6 +217,22 @@ def parse_tree(value) -> Tree | None:
     if size > MAX_TREE_NODES:
         raise UserError(f"tree {value} has {size} nodes; at most {MAX_TREE_NODES}")
     return Tree.full(widths)
+
+
+def _tree_from_paths(value: str) -> Tree:
+    """'1-2-11' as a Tree (`parse_tree`)."""
+    nodes = value.split("-")
+    if not all(n and n.isdigit() and "0" not in n for n in nodes):
+        raise UserError(f"tree nodes must be rank paths of digits 1-9 joined by '-', like 1-2-11, got {value!r}")
+    if len(nodes) > MAX_TREE_NODES or max(map(len, nodes)) > 32:
+        raise UserError(f"tree {value} has {len(nodes)} nodes, {max(map(len, nodes))} deep; "
+                        f"at most {MAX_TREE_NODES} nodes, 32 deep")
+    if len(set(nodes)) != len(nodes):
+        raise UserError(f"tree {value} lists a node twice")
+    try:
+        return Tree.from_paths(tuple(int(c) for c in n) for n in nodes)
+    except ValueError as e:
+        raise UserError(f"tree {value}: {e}") from None
 
 
 # The `parse_draft` kinds whose drafters draft token trees (`propose_tree`): every kind

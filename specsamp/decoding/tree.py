@@ -73,6 +73,32 @@ class Tree:
             level = nxt
         return cls(tuple(parents))
 
+    @classmethod
+    def from_paths(cls, paths) -> "Tree":
+        """A tree from its nodes, each the 1-based ranks of the choices on its path from
+        the root: ((1,), (2,), (1, 1)) is the root's first two choices and the first
+        choice after the first. Every node's parent and earlier siblings must be there;
+        nodes are numbered level by level, siblings by rank."""
+        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if not paths or any(not p or min(p) < 1 for p in paths):
+            raise ValueError(f"tree paths must be non-empty ranks >= 1, got {paths}")
+        index = {p: i for i, p in enumerate(paths)}
+        for p in paths:
+            if len(p) > 1 and p[:-1] not in index:
+                raise ValueError(f"node {p}: its parent {p[:-1]} is not in the tree")
+            if p[-1] > 1 and p[:-1] + (p[-1] - 1,) not in index:
+                raise ValueError(f"node {p}: its sibling {p[:-1] + (p[-1] - 1,)} is not in the tree")
+        return cls(tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths))
+
+    @functools.cached_property
+    def rank_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Each node as `from_paths` reads it: the 1-based ranks of the choices on its path."""
+        out: list[tuple[int, ...]] = []
+        for i, parent in enumerate(self.parents):
+            rank = 1 + sum(1 for j in range(i) if self.parents[j] == parent)
+            out.append((out[parent] if parent >= 0 else ()) + (rank,))
+        return tuple(out)
+
     @property
     def size(self) -> int:
         """N, the number of nodes."""
