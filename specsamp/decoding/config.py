@@ -127,8 +127,9 @@ def tree_widths(tree: Tree) -> tuple[int, ...]:
 def tree_text(tree: Tree) -> str:
     """A tree as `parse_tree` reads it: a full tree's widths per depth, '2x1'; any other,
     its nodes' rank paths, '1-2-11'."""
-    if tree == Tree.full(tree_widths(tree)):
-        return "x".join(map(str, tree_widths(tree)))
+    widths = tree_widths(tree)
+    if tree == Tree.full(widths):
+        return "x".join(map(str, widths))
     return "-".join("".join(map(str, p)) for p in tree.rank_paths)
 
 

@@ -95,7 +95,7 @@ class Tree:
         """Each node as `from_paths` reads it: the 1-based ranks of the choices on its path."""
         out: list[tuple[int, ...]] = []
         for i, parent in enumerate(self.parents):
-            rank = 1 + sum(1 for j in range(i) if self.parents[j] == parent)
+            rank = 1 + int(np.flatnonzero(self.children[parent + 1] == i)[0])  # children in order
             out.append((out[parent] if parent >= 0 else ()) + (rank,))
         return tuple(out)
 
