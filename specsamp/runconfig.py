@@ -19,7 +19,9 @@ import os
 
 from specsamp.decoding.config import (
     AUTO_K, BRANCH_DRAFTS, DRAFT_FORMS, TREE_AUTO, TREE_DRAFTS, SamplingParams, no_tree_drafter, parse_draft, parse_k, parse_tree,
+    tree_text,
 )
+from specsamp.decoding.tree import DynamicTree
 from specsamp.errors import UserError
 
 BUILTIN_INPUTS = ("humaneval", "xsum")  # `input: builtin:NAME` is prepared on the fly
@@ -68,7 +70,7 @@ class Setting:
         if self.tree == "auto":
             return TREE_AUTO.span
         tree = parse_tree(self.tree)
-        return tree.size if tree is not None else max(self.k, 0)
+        return tree.span if tree is not None else max(self.k, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +257,7 @@ def _check_tree_setting(draft, tree: str, k, where: str) -> Setting:
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     depth = parsed.max_depth
-    tree = "x".join(str(int(w)) for w in tree.split("x"))  # one spelling per tree: 2x01 is 2x1
+    tree = tree_text(parsed)  # one spelling per tree: 2x01 is 2x1
     for given in k if isinstance(k, list) else [k]:
         if given == "auto":
             raise UserError(f"{where}: tree and k auto do not combine yet: give a tree or k auto "
@@ -277,11 +279,12 @@ def _check_tree_drafter(setting: Setting, target: str | None, where: str) -> Non
     shown = setting.draft if draft == setting.draft else f"{setting.draft} ({draft})"
     if kind not in TREE_DRAFTS:
         raise UserError(f"{where}: tree {setting.tree}: {no_tree_drafter(f'drafter {shown}')}")
-    if kind in BRANCH_DRAFTS and setting.tree != "auto":  # auto: the trees of branches only
+    tree = None if setting.tree == "auto" else parse_tree(setting.tree)  # auto: branches only
+    if kind in BRANCH_DRAFTS and tree is not None and not (kind == "hybrid" and isinstance(tree, DynamicTree)):
         from specsamp.decoding.lookup import NgramDrafter
 
         try:
-            NgramDrafter.check_tree(parse_tree(setting.tree))
+            NgramDrafter.check_tree(tree)
         except UserError as e:
             raise UserError(f"{where}: tree {setting.tree} with drafter {shown}: {e}") from None
 

@@ -156,8 +156,9 @@ output: out
 settings:
   - {draft: none}
   - {draft: ngram, k: 2, tree: [off, 2x1]}
-  - {draft: ngram, tree: 3}
+  - {draft: ngram, tree: 1-2-3}
   - {draft: early-exit:1, tree: 2x01, k: 2}
+  - {draft: early-exit:1, tree: [1-2-11, 3]}
 """
 
 
@@ -168,13 +169,14 @@ def test_tree_settings_expand_and_are_settings_of_their_own(tmp_path):
     path.write_text(TREE_YAML)
     cfg = runconfig.load(str(path))
     assert [(s.draft, s.k, s.tree) for s in cfg.settings] == [
-        ("none", 0, "off"), ("ngram", 2, "off"), ("ngram", 2, "2x1"), ("ngram", 1, "3"),
-        ("early-exit:1", 2, "2x1")]
+        ("none", 0, "off"), ("ngram", 2, "off"), ("ngram", 2, "2x1"), ("ngram", 1, "1-2-3"),
+        ("early-exit:1", 2, "2x1"), ("early-exit:1", 2, "1-2-11"), ("early-exit:1", 3, "dyn3")]
     chain, tree = cfg.settings[1], cfg.settings[2]
     assert chain.key == "ngram|2" and tree.key != chain.key and "2x1" in tree.key
     assert tree.label == "ngram tree=2x1" and chain.label == "ngram K=2"
     assert len({s.key for s in cfg.settings}) == len(cfg.settings)
     assert (tree.span, chain.span, cfg.settings[3].span) == (4, 2, 3)
+    assert cfg.settings[6].span == 6  # a dynamic tree's drafter writes all its candidates
 
 
 def test_tree_changes_the_hash_and_a_chain_keeps_its_own():
@@ -200,6 +202,8 @@ def test_tree_changes_the_hash_and_a_chain_keeps_its_own():
     ({"draft": "ngram", "tree": "auto", "k": 2}, "tree auto picks K"),
     ({"draft": "none", "tree": "auto"}, "baseline"),
     ({"draft": "ngram", "tree": ["auto", "auto"]}, "twice"),
+    ({"draft": "early-exit:1", "tree": ["3", "dyn3"]}, "twice"),
+    ({"draft": "early-exit:1", "tree": 40}, "1 to 32 nodes"),
 ])
 def test_tree_mistakes_are_one_user_error(setting, words):
     with pytest.raises(UserError, match=words) as error:

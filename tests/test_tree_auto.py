@@ -418,18 +418,13 @@ def test_switching_chains_and_trees_samples_exactly():
     assert chi_square_pvalue(counts, exact_joint(sp)) > ALPHA
 
 
-_CHOOSE = tree_draft._choose
-
-
 @pytest.mark.slow
 def test_the_switching_check_fails_children_misdescribed(monkeypatch):
     """The control: the same run with top-w children tested as if drawn (DISTINCT) is not
     exact, and the chi-square above rejects it."""
-    def top_w(logits, sampling, keys, width):
-        tokens, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
-        return tokens, _CHOOSE(logits, sampling, keys, width)[1]
+    from tests.test_tree_loop import _top_w
 
-    monkeypatch.setattr(tree_draft, "_choose", top_w)
+    monkeypatch.setattr(tree_draft, "_choose", _top_w)
     # shapes only this test compiles (a compiled program keeps the `_choose` it was traced with)
     counts, sp = _switching_counts((Tree.full((5, 1)), Tree.full((3, 2))))
     assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA

@@ -14,7 +14,7 @@ from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.decode import Program
 from specsamp.decoding.engine import Engine
 from specsamp.decoding.lookup import HybridDrafter
-from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree import DynamicTree, Tree
 from specsamp.errors import UserError
 from tests import tiny
 from tests.test_exactness import ALPHA, PROMPT, chi_square_pvalue, exact_joint, make_engine, sample_counts
@@ -51,6 +51,11 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     ("tiny-feature", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), None),
     ("ngram+tiny-feature", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), None),
     ("tiny-draft", Tree.from_paths([(1,), (2,), (1, 1), (1, 2), (1, 1, 1)]), False),
+    # dynamic trees (`--tree N`): each row its own N nodes of the candidates
+    ("tiny-feature", DynamicTree.of(3), None),
+    ("tiny-feature-reduced", DynamicTree.of(6), None),
+    ("tiny-draft", DynamicTree.of(4), False),
+    ("ngram+tiny-feature", DynamicTree.of(4), None),
 ]
 
 
@@ -82,6 +87,9 @@ SAMPLED_CASES = [  # (draft, tree, temperature, top_k, top_p)
     ("ngram+tiny-feature", Tree.full((3, 1, 1)), 0.7, 0, 0.9),
     ("tiny-feature", Tree.from_paths([(1,), (2,), (1, 1)]), 1.0, 0, 1.0),
     ("ngram+tiny-feature-reduced", Tree.from_paths([(1,), (2,), (1, 1), (1, 1, 1)]), 0.7, 0, 0.9),
+    ("tiny-feature", DynamicTree.of(3), 1.0, 0, 1.0),
+    ("ngram+tiny-feature-reduced", DynamicTree.of(4), 0.7, 0, 0.9),
+    ("tiny-draft", DynamicTree.of(6), 1.0, 5, 1.0),
 ]
 
 
@@ -97,11 +105,11 @@ def test_tree_joint_distribution_of_three_tokens_matches_target(draft, tree, tem
 _CHOOSE = tree_draft._choose
 
 
-def _top_w(logits, sampling, keys, width):
+def _top_w(logits, sampling, keys, width, fixed=False, scored=False):
     """The control's children: the draft's top-w tokens (deterministic), with the
     sampled distribution, while the drafter still says DISTINCT draws."""
-    tokens, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
-    return tokens, _CHOOSE(logits, sampling, keys, width)[1]
+    tokens, _, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
+    return tokens, _CHOOSE(logits, sampling, keys, width)[1], None
 
 
 @pytest.mark.slow
@@ -169,6 +177,9 @@ CLI_CASES = [
     (["generate", "--prompt", "hi", "--tree", "1-3"], "its sibling (2,) is not in the tree"),
     (["generate", "--prompt", "hi", "--tree", "1-2-11-12", "--draft", "ngram"], "trees of branches"),
     (["bench", "--throughput", "--tree", "2x2"], "--tree is for the latency bench"),
+    (["generate", "--prompt", "hi", "--tree", "0"], "a dynamic tree (--tree N) has 1 to 32 nodes"),
+    (["generate", "--prompt", "hi", "--tree", "dyn40"], "a dynamic tree (--tree N) has 1 to 32 nodes"),
+    (["generate", "--prompt", "hi", "--tree", "4", "--draft", "ngram"], "needs a draft model"),
 ]
 
 

@@ -30,8 +30,9 @@ def register(sub) -> None:
                         "(default 4,auto)")
     p.add_argument("--tree", type=_list(str), default=[],
                    help="token trees to bench beside the K chains, widths per depth, e.g. "
-                        "3x1x1,2x2, or nodes as rank paths, e.g. 1-2-11 (any drafter; ngram and "
-                        "ngram+<draft>: trees of branches, like 3x1x1 or 1-2-11; not with "
+                        "3x1x1,2x2, or nodes as rank paths, e.g. 1-2-11, or N nodes chosen per "
+                        "row (a dynamic tree, e.g. 3) (any drafter; ngram: trees of branches, "
+                        "like 3x1x1 or 1-2-11; ngram+<draft>: those or N; not with "
                         "--throughput); with "
                         "--throughput only 'auto': a setting whose K policy weighs small trees "
                         "beside the chains (K column tree-auto)")

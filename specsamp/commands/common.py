@@ -27,7 +27,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "replacement when sampling) each continued 2 deep; K is its depth. "
                         "Or its nodes as the ranks of the choices on their paths, joined by '-': "
                         "1-2-11 is the top two choices and the top one after the first. "
-                        "Or 'auto': before each chunk of rounds the --k auto policy picks a "
+                        "Or a number N: a dynamic tree, each row scoring the N nodes its draft "
+                        "finds likeliest (the draft's chain and its runners-up; needs a draft "
+                        "model). Or 'auto': before each chunk of rounds the --k auto policy picks a "
                         "chain's K, plain rounds or a small tree (2x1, 2x1x1, 3x1, 2x2; n-gram "
                         "lookup: the trees of branches) by expected tokens per second. Needs a "
                         "draft model, early-exit:L or ngram")

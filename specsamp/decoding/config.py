@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from specsamp.decoding.drafts import resolve
-from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree import DynamicTree, Tree
 from specsamp.errors import UserError
 
 
@@ -124,13 +124,17 @@ def tree_widths(tree: Tree) -> tuple[int, ...]:
     return tuple(int(n // m) for n, m in zip(per_depth, np.concatenate([[1], per_depth[:-1]])))
 
 
-def tree_text(tree: Tree) -> str:
+def tree_text(tree: Tree | DynamicTree) -> str:
     """A tree as `parse_tree` reads it: a full tree's widths per depth, '2x1'; any other,
-    its nodes' rank paths, '1-2-11'."""
+    its nodes' rank paths, '1-2-11'; a dynamic tree 'dyn' and its nodes, 'dyn4' (a bare
+    '4' would read as a chain's K in statistics and cost curves)."""
+    if isinstance(tree, DynamicTree):
+        return f"dyn{tree.nodes}"
     widths = tree_widths(tree)
-    if tree == Tree.full(widths):
+    if len(widths) > 1 and tree == Tree.full(widths):
         return "x".join(map(str, widths))
-    return "-".join("".join(map(str, p)) for p in tree.rank_paths)
+    # one level is its rank paths ('3' reads as a dynamic tree): '1-2-3'; one node '1-'
+    return "-".join("".join(map(str, p)) for p in tree.rank_paths) + ("-" if tree.size == 1 else "")
 
 
 def shape_key(shape) -> int | str:
@@ -193,24 +197,36 @@ def check_max_new_tokens(n: int) -> int:
 
 # A token tree per round (`--tree`): 'off' (chains of K, the paper's form) or the widths
 # per depth, 'W1xW2x...' (`tree.Tree.full`): 3x1x1 is three children of the root, each the
-# start of a chain of two more. Its depth is the round's K.
+# start of a chain of two more. Its depth is the round's K. A number N: a dynamic tree of
+# N nodes per row (`tree.DynamicTree`), at most MAX_DYNAMIC_NODES.
 MAX_TREE_NODES = 64
+MAX_DYNAMIC_NODES = 32
 
 
-def parse_tree(value) -> Tree | None:
+def parse_tree(value) -> Tree | DynamicTree | None:
     """A user's tree as a Tree, or None for chains: 'off'; 'W1xW2x...', the widths per
-    depth (each >= 1); or its nodes, each the ranks of the drafter's choices on its path
-    from the root, joined by '-' ('1-2-11': the top two choices, and the top choice after
-    the first; ranks 1-9). At most MAX_TREE_NODES nodes and 32 deep."""
-    if value is None or isinstance(value, Tree):
+    depth (each >= 1) of two depths or more; or its nodes, each the ranks of the drafter's
+    choices on its path from the root, joined by '-' ('1-2-11': the top two choices, and
+    the top choice after the first; ranks 1-9; a single level '1-2-3'). At most
+    MAX_TREE_NODES nodes and 32 deep. A number N (or 'dynN'): the DynamicTree of N nodes
+    (each row scores the N nodes its draft finds likeliest)."""
+    if value is None or isinstance(value, (Tree, DynamicTree)):
         return value
     if value == "off":
         return None
+    if isinstance(value, str) and value.startswith("dyn"):
+        value = value[3:]
+    if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.isdigit():
+        nodes = int(value)
+        if not 1 <= nodes <= MAX_DYNAMIC_NODES:
+            raise UserError(f"a dynamic tree (--tree N) has 1 to {MAX_DYNAMIC_NODES} nodes, got {value!r}")
+        return DynamicTree.of(nodes)
     if isinstance(value, str) and "-" in value:
         return _tree_from_paths(value)
     parts = value.split("x") if isinstance(value, str) else []
     if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise UserError(f"tree must be 'off' or widths per depth like 3x1x1 (each >= 1), got {value!r}")
+        raise UserError(f"tree must be 'off' or widths per depth like 3x1x1 (each >= 1), rank paths "
+                        f"like 1-2-11 or a number of nodes N, got {value!r}")
     widths = tuple(int(p) for p in parts)
     if len(widths) > 32:
         raise UserError(f"a tree may be at most 32 deep, got {len(widths)}")
@@ -222,7 +238,7 @@ def parse_tree(value) -> Tree | None:
 
 def _tree_from_paths(value: str) -> Tree:
     """'1-2-11' as a Tree (`parse_tree`)."""
-    nodes = value.split("-")
+    nodes = value[:-1].split("-") if value.endswith("-") else value.split("-")  # '1-': one node
     if not all(n and n.isdigit() and "0" not in n for n in nodes):
         raise UserError(f"tree nodes must be rank paths of digits 1-9 joined by '-', like 1-2-11, got {value!r}")
     if len(nodes) > MAX_TREE_NODES or max(map(len, nodes)) > 32:

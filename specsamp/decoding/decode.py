@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from specsamp.decoding.acceptance import accept_batch, accept_greedy
 from specsamp.decoding.config import SamplingParams, no_tree_drafter
 from specsamp.decoding.drafters import Drafter
-from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree import DynamicTree, Tree
 from specsamp.decoding.tree_draft import check_level_order
 from specsamp.decoding.tree_round import tree_round
 from specsamp.errors import UserError
@@ -45,8 +45,9 @@ class Program:
     # as part of the static program; None: decided wherever a model is traced.
     native: bool | None = None
     # A token tree's static shape (`tree.Tree`): every drafted round drafts and scores that
-    # tree (`tree_round`), its drafter drafting K = the tree's depth. None: chains of K.
-    tree: Tree | None = None
+    # tree (`tree_round`), its drafter drafting K = the tree's depth; or a `DynamicTree`
+    # (N nodes per row chosen among its candidates). None: chains of K.
+    tree: Tree | DynamicTree | None = None
 
     def __post_init__(self):
         if self.tree is None:
@@ -54,7 +55,7 @@ class Program:
         if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
             kind = "no drafter" if self.drafter is None else f"drafter {self.drafter.kind!r}"
             raise UserError(no_tree_drafter(kind))
-        check_level_order(self.tree)
+        check_level_order(getattr(self.tree, "candidates", self.tree))
         getattr(self.drafter, "check_tree", lambda tree: None)(self.tree)
         if self.drafter.k != self.tree.max_depth:
             object.__setattr__(self, "drafter", self.drafter.with_k(self.tree.max_depth))
@@ -86,7 +87,7 @@ class Program:
         """The most draft tokens a round may score: K, or more in a hybrid's wide rounds or
         a tree's (its N nodes)."""
         wide = getattr(self.drafter, "wide", None)
-        return max(self.k, wide.k if wide is not None else 0, self.tree.size if self.tree else 0)
+        return max(self.k, wide.k if wide is not None else 0, self.tree.span if self.tree else 0)
 
 
 def row_keys(seeds: jax.Array) -> jax.Array:

@@ -173,10 +173,12 @@ class ModelDrafter:
     def calls_per_round(self) -> int:
         return self.k
 
-    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
-        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree,
+                     scored: bool = False) -> TreeProposal:
+        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls.
+        scored: a `DynamicTree`'s candidates (`draft_tree`)."""
         return draft_tree(ModelSteps(self.forward, tree.max_depth), params, state, keys, tree,
-                          self.sampling)
+                          self.sampling, scored)
 
 
 def _drawer(sampling: SamplingParams, keys: jax.Array, native: bool | None):
@@ -300,6 +302,8 @@ class FeatureDrafter:
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))
 
-    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
-        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls."""
-        return draft_tree(FeatureSteps(self, tree), params, state, keys, tree, self.sampling)
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree,
+                     scored: bool = False) -> TreeProposal:
+        """A token tree of `tree`'s shape per row (`tree_draft`): K = tree depth calls.
+        scored: a `DynamicTree`'s candidates (`draft_tree`)."""
+        return draft_tree(FeatureSteps(self, tree), params, state, keys, tree, self.sampling, scored)

@@ -16,7 +16,7 @@ import jax
 
 from specsamp.decoding.config import (
     TREE_AUTO, KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k,
-    parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, trees_for,
+    parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, tree_text, trees_for,
 )
 from specsamp.decoding.costs import measure_cost_ratio
 from specsamp.decoding.decode import Program
@@ -66,7 +66,8 @@ class GeneratorSpec:
     tensor_parallel: int = 1
     kv_cache: str = "auto"
     dtype: str = "auto"
-    # 'off' (chains of k) or a token tree's widths per depth, 'W1xW2x...' (`config.parse_tree`):
+    # 'off' (chains of k) or a token tree's widths per depth, 'W1xW2x...', rank paths or N
+    # nodes chosen per row ('dynN') (`config.parse_tree`, kept as `config.tree_text` spells it):
     # every drafted round drafts and scores that tree, K = its depth (k is then not read);
     # or 'auto': the K policy picks a chain's K or one of `config.AUTO_TREES` per chunk
     # (k is then auto; n-gram lookup and a hybrid weigh the trees of branches only).
@@ -87,6 +88,7 @@ class GeneratorSpec:
             if self.k == "auto":
                 raise UserError("--tree and --k auto do not combine yet: give a tree or k auto")
             object.__setattr__(self, "k", self.draft_tree.max_depth)
+            object.__setattr__(self, "tree", tree_text(self.draft_tree))  # one spelling: '3' is dyn3
         object.__setattr__(self, "draft_k", TREE_AUTO if self.tree == "auto" else parse_k(self.k))
         if self.batching not in ("static", "continuous"):
             raise UserError(f"batching must be 'static' or 'continuous', got {self.batching!r}")

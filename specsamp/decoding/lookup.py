@@ -19,9 +19,9 @@ import numpy as np
 
 from specsamp.decoding.drafters import FeatureDrafter, FeatureState, Proposal
 from specsamp.decoding.state import RUNNING, DecodeState, cond_in_place
-from specsamp.decoding.tree import Tree
+from specsamp.decoding.tree import DynamicTree, Tree
 from specsamp.decoding.tree_acceptance import Children
-from specsamp.decoding.tree_draft import TreeProposal, children_mode
+from specsamp.decoding.tree_draft import FeatureSteps, TreeProposal, children_mode
 from specsamp.errors import UserError
 from specsamp.models import ModelConfig
 
@@ -67,6 +67,9 @@ class NgramDrafter:
     def check_tree(tree: Tree) -> None:
         """Lookup drafts trees of branches: each child of the root starts a chain (widths
         W x 1 x 1 ...), one match a branch."""
+        if isinstance(tree, DynamicTree):
+            raise UserError(f"n-gram lookup has no probabilities to choose a tree's nodes by: "
+                            f"--tree {tree.nodes} needs a draft model (draft 'auto' or a trained draft)")
         if np.any((tree.children[1:] >= 0).sum(axis=1) > 1):
             raise UserError(f"n-gram lookup drafts trees of branches, widths like 3x1x1 "
                             f"(a match each), not parents {list(tree.parents)}")
@@ -215,23 +218,47 @@ class HybridDrafter:
         return Proposal(draft, p, fs, None, calls)
 
     def check_tree(self, tree: Tree) -> None:
-        """The lookup's shapes: trees of branches (`NgramDrafter.check_tree`)."""
+        """The lookup's shapes: trees of branches (`NgramDrafter.check_tree`); or a
+        `DynamicTree` (`propose_tree`)."""
+        if isinstance(tree, DynamicTree):
+            return
         try:
             self.ngram.check_tree(tree)
         except UserError as e:
             raise UserError(f"the hybrid drafter ({self.kind}) drafts the lookup's trees: {e}") from None
 
-    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree) -> TreeProposal:
-        """A row with a lookup match drafts the lookup's tree (its best matches as
+    def _scored_lookup(self, state: DecodeState, tree: Tree):
+        """A `DynamicTree`'s candidates from the lookup: its best matches as branches
+        along the candidates whose rank paths are (b, 1, 1, ...), the best match first
+        (scored above everything, then the next match), so a row's chosen nodes are its
+        best match's chain as deep as the candidates go, then the next match's. Returns
+        (tokens [B, Nc], scores [B, Nc], found [B])."""
+        ranks = tree.rank_paths
+        width = max(p[0] for p in ranks if all(r == 1 for r in p[1:]))
+        branches, found = jax.vmap(lambda r, t: self.ngram._matches(r, t, width, tree.max_depth))(
+            state.tokens, state.current)  # [B, W, K], [B, W]
+        on = np.array([all(r == 1 for r in p[1:]) for p in ranks])
+        branch = np.array([p[0] - 1 for p in ranks])
+        tokens = jnp.where(on & found[:, branch], branches[:, branch, tree.depth - 1], -1)
+        score = jnp.asarray(-(branch + 1e-3 * tree.depth), jnp.float32)
+        return tokens, jnp.where(tokens >= 0, score, -jnp.inf), found[:, 0]
+
+    def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree,
+                     scored: bool = False) -> TreeProposal:
+        """A `DynamicTree`'s candidates (scored): a row with a lookup match takes the
+        lookup's (`_scored_lookup`), a row without one the model's; every child taken,
+        not drawn (`Children.FIXED`). Otherwise a row with a lookup match drafts the lookup's tree (its best matches as
         branches, `Children.FIXED`); a row without one, the model's tree (its children
         drawn as the model drafts them). Which one is decided by the row's own tokens
         before anything is drawn, and the proposal says it (`TreeProposal.fixed_rows`), so
         each row is accepted by the rule of how its children came: exact either way. When
         every running row has a match the model's tree is skipped; only its first call
         runs (its cache keeps up with the accepted tokens, as in chain rounds)."""
+        running = state.stop_reason == RUNNING
+        if scored:
+            return self._propose_scored(params, state, keys, tree, running)
         lookup = self.ngram.propose_tree(None, state, keys, tree)
         found = lookup.tokens[:, 0] >= 0  # node 0 is the best match's first token
-        running = state.stop_reason == RUNNING
         sampled = not self.model.sampling.greedy
         b = state.current.shape[0]
         p0 = jnp.zeros((b, tree.size + 1, self.model.cfg.vocab_size), jnp.float32) if sampled else None
@@ -250,4 +277,24 @@ class HybridDrafter:
         model_children = children_mode(self.model.sampling)
         calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
         return TreeProposal(tokens, p, fs, model_children, calls,
-                            None if model_children is Children.FIXED else found)
+                            None if model_children is Children.FIXED else found,
+                            chain_layout=FeatureSteps(self.model, tree).chain_layout)
+
+    def _propose_scored(self, params, state: DecodeState, keys, tree: Tree, running) -> TreeProposal:
+        tokens, scores, found = self._scored_lookup(state, tree)
+
+        def lookup_only(carry):
+            _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
+            return tokens, scores, fs
+
+        def with_model(carry):
+            drafted = self.model.propose_tree(params, state.replace(draft=carry[2]), keys, tree, True)
+            pick = found[:, None]
+            return (jnp.where(pick, tokens, drafted.tokens), jnp.where(pick, scores, drafted.scores),
+                    drafted.draft_state)
+
+        tokens, scores, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
+                                           (tokens, scores, state.draft))
+        calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
+        return TreeProposal(tokens, None, fs, Children.FIXED, calls, scores=scores,
+                            chain_layout=FeatureSteps(self.model, tree).chain_layout)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,11 @@ class Tree:
         """N, the number of nodes."""
         return len(self.parents)
 
+    @property
+    def span(self) -> int:
+        """The most nodes a round writes to a cache past the root."""
+        return self.size
+
     @functools.cached_property
     def depth(self) -> np.ndarray:
         """[N] int32: 1 for the root's children, parent's depth + 1 below."""
@@ -169,6 +175,127 @@ class Tree:
         return table
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen per row (EAGLE-2's dynamic tree): the drafter drafts every node of
+    `candidates` (a static tree, level by level) and each row scores only the `nodes`
+    candidates its draft finds most likely, by the product of the draft's probabilities
+    along the node's path (`select_nodes`). The scoring block has nodes + 1 rows whatever
+    the row's shape; where the draft is sure the row's tree runs deep, where it hesitates
+    it spreads. The choice reads the draft alone (never the target), and the children are
+    the draft's top choices taken without drawing (`Children.FIXED`), so acceptance is the
+    FIXED rule on each row's own tree: exact under greedy and sampling alike."""
+
+    nodes: int
+    candidates: Tree
+
+    def __post_init__(self):
+        if not 1 <= self.nodes <= self.candidates.size:
+            raise ValueError(f"{self.nodes} nodes of {self.candidates.size} candidates")
+
+    @classmethod
+    def of(cls, nodes: int) -> "DynamicTree":
+        """N nodes out of the default candidates: the draft's chain of min(N, 6) tokens
+        and, beside each of its tokens, the draft's runners-up there (its second choice,
+        up to its third for N >= 6) as leaves. A row's tree is then its chain cut where
+        the draft's path probability falls below that of a runner-up, and the runners-up
+        where the draft hesitates most. Leaves need no draft head, so drafting costs
+        about what the chain's does (`tree_draft.draft_tree`)."""
+        depth, width = min(nodes, 6), 2 if nodes < 6 else 3
+        paths = [(1,) * (d - 1) + (r,) for d in range(1, depth + 1) for r in range(1, width + 1)]
+        return cls(nodes, Tree.from_paths(paths))
+
+    @property
+    def size(self) -> int:
+        """N, the nodes the target scores (a static tree's `size`)."""
+        return self.nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.candidates.max_depth
+
+    @property
+    def span(self) -> int:
+        """The drafter writes every candidate (`Tree.span`)."""
+        return self.candidates.size
+
+    @property
+    def spine(self) -> np.ndarray:
+        """The candidates' first-child chain: the chain a row's tree holds at most."""
+        return self.candidates.spine
+
+
+class RowTree(NamedTuple):
+    """One row's tree as arrays (a batch of them under a leading axis): the tables of
+    `Tree` of the same names, for trees that differ per row (`DynamicTree`). An absent
+    node (token -1) is a child of nothing, at depth 1, its own only ancestor."""
+
+    parents: jax.Array  # [N] int32
+    depth: jax.Array  # [N] int32
+    children: jax.Array  # [N + 1, W] int32
+    ancestors: jax.Array  # [N, N] bool
+    paths: jax.Array  # [N + 1, K] int32
+    spine: jax.Array  # [K] int32, the first-child chain, -1 padded
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[-1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[-1]
+
+
+def select_nodes(dyn: DynamicTree, tokens: jax.Array, score: jax.Array):
+    """Each row's tree of a DynamicTree's round: tokens [B, Nc] the candidates' (-1
+    absent), score [B, Nc] each candidate's path log-probability under the draft. Returns
+    (RowTree with a leading [B], sel [B, N] the candidate behind each node, tokens [B, N]).
+    The N best-scored present candidates, numbered as among the candidates (so parents
+    first, siblings in the draft's order); a child scores below its parent (a small
+    penalty per depth breaks a tie at probability 1), so a chosen node's parent is chosen.
+    A row with fewer present candidates marks the rest absent."""
+    cand = dyn.candidates
+    n, k, width = dyn.nodes, cand.max_depth, cand.children.shape[1]
+    c_parents, c_depth = jnp.asarray(cand.parents, jnp.int32), jnp.asarray(cand.depth)
+    c_anc, c_paths = jnp.asarray(cand.ancestors), jnp.asarray(cand.paths)
+
+    def one(tok, sc):
+        key = jnp.where(tok >= 0, sc.astype(jnp.float32) - 1e-4 * c_depth, -jnp.inf)
+        sel = jnp.sort(jax.lax.top_k(key, n)[1]).astype(jnp.int32)
+        present = key[sel] > -jnp.inf
+        inv = jnp.full(cand.size, -1, jnp.int32).at[sel].set(jnp.arange(n, dtype=jnp.int32))
+        cp = c_parents[sel]
+        parents = jnp.where(present & (cp >= 0), inv[jnp.maximum(cp, 0)], -1)
+        depth = jnp.where(present, c_depth[sel], 1)
+        both = present[:, None] & present[None, :]
+        ancestors = (c_anc[sel][:, sel] & both) | jnp.eye(n, dtype=bool)
+        on = c_paths[sel + 1]  # [N, K] candidate nodes by depth
+        mapped = jnp.where(on >= 0, inv[jnp.maximum(on, 0)], -1)
+        own = jnp.full((n, k), -1, jnp.int32).at[:, 0].set(jnp.arange(n, dtype=jnp.int32))
+        paths = jnp.concatenate([jnp.full((1, k), -1, jnp.int32),
+                                 jnp.where(present[:, None], mapped, own)], axis=0)
+        is_kid = (parents[None, :] + 1 == jnp.arange(n + 1)[:, None]) & present[None, :]  # [N+1, N]
+        rank = jnp.cumsum(is_kid, axis=1) - 1
+        slot = is_kid[:, None, :] & (rank[:, None, :] == jnp.arange(width)[None, :, None])
+        children = jnp.max(jnp.where(slot, jnp.arange(n)[None, None, :], -1), axis=2).astype(jnp.int32)
+        spine, node = [], jnp.asarray(-1, jnp.int32)
+        for _ in range(k):
+            kid = jnp.where(node >= -1, children[node + 1, 0], -1)
+            spine.append(kid)
+            node = jnp.where(kid >= 0, kid, -2)  # -2: below a leaf, the rest -1
+        tree = RowTree(parents, depth, children, ancestors, paths, jnp.stack(spine))
+        return tree, sel, jnp.where(present, tok[sel], -1)
+
+    return jax.vmap(one)(tokens, score)
+
+
+def path_log_probs(tree: Tree, logp: jax.Array) -> jax.Array:
+    """Each node's path log-probability: logp [B, N] of each node's own token (given its
+    parent) -> [B, N], the sums down each node's path (`select_nodes`' score)."""
+    logp = jnp.maximum(logp, -1e30)  # an absent node's -inf: no 0 * inf in the sums
+    return logp @ jnp.asarray(tree.ancestors.T, logp.dtype)
+
+
 def path_of(tree: Tree, node: jax.Array) -> jax.Array:
     """The accepted path ending at `node` (-1: none accepted): int32 [K], node indices by
     depth, padded with -1. Works on traced nodes (a table lookup)."""
@@ -191,6 +318,8 @@ def block_positions(tree: Tree, start: jax.Array) -> jax.Array:
     position, the last accepted token's) -> int32 [..., N + 1], start + depth (0 for the
     root). For a chain: start, start + 1, ..., start + K, the chain's block."""
     start = jnp.asarray(start, jnp.int32)
+    if isinstance(tree, RowTree):  # per row: start [B], depth [B, N]
+        return start[:, None] + jnp.pad(jnp.asarray(tree.depth, jnp.int32), ((0, 0), (1, 0)))
     return start[..., None] + jnp.asarray(np.concatenate([[0], tree.depth]).astype(np.int32))
 
 
@@ -214,7 +343,11 @@ def block_paths(tree: Tree) -> np.ndarray:
     """The scoring call's path table (`Model.forward(..., paths=)`): [N + 1, K + 1] int32,
     row j for block token j (0 the root, i + 1 node i): the block-relative slots of its
     path by depth, the root's 0 first and itself last, padded with -1. Row j's entry d
-    is the slot (less start) whose key/value the token at depth d on j's path reads."""
+    is the slot (less start) whose key/value the token at depth d on j's path reads.
+    A RowTree's (batched): [B, N + 1, K + 1], each row's own."""
+    if isinstance(tree, RowTree):
+        rows = jnp.where(tree.paths >= 0, tree.paths + 1, -1)
+        return jnp.concatenate([jnp.zeros_like(rows[..., :1]), rows], axis=-1)
     table = np.full((tree.size + 1, tree.max_depth + 1), -1, np.int32)
     table[:, 0] = 0
     table[:, 1:] = np.where(tree.paths >= 0, tree.paths + 1, -1)

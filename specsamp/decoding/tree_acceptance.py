@@ -39,10 +39,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specsamp.decoding.sampling import residual, sample
-from specsamp.decoding.tree import Tree, path_of
+from specsamp.decoding.tree import RowTree, Tree, path_of
 
 
 class Children(enum.Enum):
@@ -157,15 +156,24 @@ def accept_tree(
     return _result(tree, node, sample(key_x, dist))
 
 
-def accept_tree_batch(keys, tokens, p, q, *, tree: Tree, children: Children,
+def _per_row(f, tree, *rows):
+    """f(tree, *one row's arrays) over a batch: a static tree is shared, a RowTree (`tree.
+    select_nodes`, batched) is each row's own."""
+    if isinstance(tree, RowTree):
+        return jax.vmap(f)(tree, *rows)
+    return jax.vmap(lambda *a: f(tree, *a))(*rows)
+
+
+def accept_tree_batch(keys, tokens, p, q, *, tree: Tree | RowTree, children: Children,
                       fixed: jax.Array | None = None) -> TreeAcceptance:
     """`accept_tree` over a batch: keys [B, 2], tokens [B, N], p, q [B, N+1, V], fixed
-    [B] bool or None. A row's result depends only on its own key and arrays."""
+    [B] bool or None. A row's result depends only on its own key and arrays (and its own
+    tree, for a RowTree)."""
     if fixed is None:
-        one = lambda k, t, pp, qq: accept_tree(k, t, pp, qq, tree=tree, children=children)  # noqa: E731
-        return jax.vmap(one)(keys, tokens, p, q)
-    one = lambda k, t, pp, qq, f: accept_tree(k, t, pp, qq, tree=tree, children=children, fixed=f)  # noqa: E731
-    return jax.vmap(one)(keys, tokens, p, q, fixed)
+        one = lambda tr, k, t, pp, qq: accept_tree(k, t, pp, qq, tree=tr, children=children)  # noqa: E731
+        return _per_row(one, tree, keys, tokens, p, q)
+    one = lambda tr, k, t, pp, qq, f: accept_tree(k, t, pp, qq, tree=tr, children=children, fixed=f)  # noqa: E731
+    return _per_row(one, tree, keys, tokens, p, q, fixed)
 
 
 def accept_tree_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> TreeAcceptance:
@@ -175,7 +183,7 @@ def accept_tree_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> T
     node in number order on a tie: the tokens are the same); the token after it is its
     argmax. The output is plain greedy decoding token for token. On one-hot q with
     distinct siblings this is `walk`'s path (at most one child can match)."""
-    parent_rows = jnp.asarray(np.asarray(tree.parents) + 1)
+    parent_rows = jnp.asarray(tree.parents) + 1
     match = (tokens >= 0) & (tokens == argmax[parent_rows])  # [N]
     on_path = jnp.all(match[None, :] | ~jnp.asarray(tree.ancestors), axis=1)  # [N]
     score = jnp.where(on_path, jnp.asarray(tree.depth), 0)
@@ -186,25 +194,30 @@ def accept_tree_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> T
 
 def accept_tree_greedy_batch(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> TreeAcceptance:
     """`accept_tree_greedy` over a batch: tokens [B, N], argmax [B, N+1]."""
-    return jax.vmap(lambda t, a: accept_tree_greedy(t, a, tree=tree))(tokens, argmax)
+    return _per_row(lambda tr, t, a: accept_tree_greedy(t, a, tree=tr), tree, tokens, argmax)
 
 
-def spine_kept(path: jax.Array, *, tree: Tree) -> jax.Array:
+def spine_kept(path: jax.Array, *, tree: Tree | RowTree) -> jax.Array:
     """Sampling: the draft tokens [B] the tree's spine (`Tree.spine`) kept, from the
     accepted paths [B, K]: the depths down to which the path is the spine. At every node
     the first child is tested first, by the chain's rule with the same uniform, so this is
     what a chain of the spine's drafts would have kept in the same round."""
-    spine = jnp.asarray(tree.spine)
-    on = (path[:, : spine.shape[0]] == spine[None, :]).astype(jnp.int32)
+    spine = jnp.asarray(tree.spine)  # [J], or a RowTree's [B, K] (-1 past its leaf)
+    j = spine.shape[-1]
+    on = ((path[:, :j] == spine) & (spine >= 0)).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(on, axis=1), axis=1).astype(jnp.int32)
 
 
-def spine_kept_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree) -> jax.Array:
+def spine_kept_greedy(tokens: jax.Array, argmax: jax.Array, *, tree: Tree | RowTree) -> jax.Array:
     """Temperature 0: the draft tokens [B] the tree's spine kept, its leading nodes whose
     token is the target's argmax after their parent (tokens [B, N], argmax [B, N+1]). Not
     read off the accepted path: where a later sibling holds the same token as the spine's
     node, the deepest path may leave the spine above where it stops matching."""
-    spine = np.asarray(tree.spine)
-    parent_rows = np.asarray(tree.parents)[spine] + 1
-    on = ((tokens[:, spine] >= 0) & (tokens[:, spine] == argmax[:, parent_rows])).astype(jnp.int32)
-    return jnp.sum(jnp.cumprod(on, axis=1), axis=1).astype(jnp.int32)
+    def one(tr, tok, arg):
+        spine = jnp.asarray(tr.spine)
+        at = jnp.maximum(spine, 0)
+        parent_rows = jnp.asarray(tr.parents)[at] + 1
+        return jnp.sum(jnp.cumprod(((spine >= 0) & (tok[at] >= 0) & (tok[at] == arg[parent_rows]))
+                                   .astype(jnp.int32))).astype(jnp.int32)
+
+    return _per_row(one, tree, tokens, argmax)

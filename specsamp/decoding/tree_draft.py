@@ -31,7 +31,7 @@ import numpy as np
 from specsamp.decoding.config import SamplingParams
 from specsamp.decoding.sampling import probs_from_logits
 from specsamp.decoding.state import DecodeState, gather_window, shifted_features
-from specsamp.decoding.tree import Tree, block_paths, block_positions
+from specsamp.decoding.tree import Tree, block_paths, block_positions, path_log_probs
 from specsamp.decoding.tree_acceptance import Children
 from specsamp.errors import UserError
 
@@ -46,6 +46,21 @@ class TreeProposal(NamedTuple):
     # a hybrid's lookup rows) while `children` says how the other rows' were; decided
     # by each row's own tokens before any draw. None: every row as `children` says.
     fixed_rows: jax.Array | None = None
+    # [B, N] float32 or None: each node's path log-probability under the draft, for a
+    # `DynamicTree`'s choice of nodes (`tree.select_nodes`); -inf for an absent node.
+    scores: jax.Array | None = None
+    # Where the drafter's cache holds the drafted nodes: False, the tree block's slots
+    # (moved to the accepted path's positions after the round, `tree_round`); True, the
+    # spine's nodes at their positions, as a chain's (`spine_only`): nothing to move.
+    chain_layout: bool = False
+
+
+def spine_only(tree: Tree) -> bool:
+    """Whether the tree's only inner nodes are its spine's (a chain with leaves beside it,
+    as 1-2-11 or a `DynamicTree`'s candidates): then the draft needs its model only
+    along the spine, one token a call as a chain's steps (`FeatureSteps.block`)."""
+    inner = np.flatnonzero(tree.children[1:, 0] >= 0)
+    return bool(np.all(np.isin(inner, tree.spine)))
 
 
 def check_level_order(tree: Tree) -> Tree:
@@ -61,20 +76,37 @@ def children_mode(sampling: SamplingParams) -> Children:
     return Children.FIXED if sampling.greedy else Children.DISTINCT
 
 
-def _choose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, width: int):
-    """width children for each of M rows: logits [B, M, V] -> (tokens [B, M, W], probs
-    [B, M, V] or None under greedy). Greedy: the top-W logits; else Gumbel top-W of the
-    processed probabilities (W draws without replacement, in draw order), a token of
-    probability 0 marked -1."""
-    logits = logits.astype(jnp.float32)
+def _choose(rows, sampling: SamplingParams, keys: jax.Array, width: int, fixed: bool = False,
+            scored: bool = False):
+    """width children for each of M rows: rows [B, M, V] logits (or `Reduced`) -> (tokens
+    [B, M, W], probs [B, M, V] or None, logp [B, M, W] or None). Greedy: the top-W logits;
+    else Gumbel top-W of the processed probabilities (W draws without replacement, in draw
+    order), a token of probability 0 marked -1; fixed: the top-W processed probabilities,
+    not drawn (the same marks). probs: the processed rows, where drawn (acceptance reads
+    them). scored: logp, each chosen token's log-probability (the processed distribution's;
+    under greedy the draft's softmax). A reduced head's rows stay reduced where nothing is
+    drawn: the same tokens as over the whole vocabulary, at a sixth of the work for the
+    shipped draft (a full row's scatter and passes cost the tree ~0.3 ms a round)."""
+    if isinstance(rows, Reduced):
+        if sampling.greedy or fixed:
+            at, _, logp = _choose(rows.unique(), sampling, keys, width, fixed, scored)
+            return jnp.where(at >= 0, rows.ids[jnp.maximum(at, 0)], -1), None, logp
+        rows = rows.full()
+    logits = rows.astype(jnp.float32)
     if sampling.greedy:
-        return _top(logits, width), None
+        tokens = _top(logits, width)
+        logp = (jnp.take_along_axis(logits, tokens, axis=2)
+                - jax.nn.logsumexp(logits, axis=2, keepdims=True)) if scored else None
+        return tokens, None, logp
     probs = probs_from_logits(logits, sampling)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:], jnp.float32))(keys)
-    score = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + gumbel, -jnp.inf)
-    tokens = _top(score, width)
-    drawn = jnp.take_along_axis(probs, tokens, axis=2) > 0
-    return jnp.where(drawn, tokens, -1), probs
+    if fixed:
+        tokens = _top(probs, width)
+    else:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:], jnp.float32))(keys)
+        tokens = _top(jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + gumbel, -jnp.inf), width)
+    chosen = jnp.take_along_axis(probs, tokens, axis=2)
+    logp = jnp.log(chosen) if scored else None
+    return jnp.where(chosen > 0, tokens, -1), probs, logp
 
 
 def _top(x: jax.Array, width: int) -> jax.Array:
@@ -97,13 +129,16 @@ def _top(x: jax.Array, width: int) -> jax.Array:
 
 
 def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
-               sampling: SamplingParams) -> TreeProposal:
+               sampling: SamplingParams, scored: bool = False) -> TreeProposal:
     """The drafter's calls through `steps`, a drafter's two kinds of call on its own loop
     state (state.draft, `ds`):
       first(params, state) -> (logits [B, V] after the root, carry, ds): the depth-1 call;
       block(params, tokens [B, M], positions, ds, paths [M, P], carry, frontier) ->
         (logits [B, F, V] at the block rows `frontier` (numpy), carry, ds).
-    keys [B]: the rows' draft keys of this round."""
+    keys [B]: the rows' draft keys of this round. scored: the candidates of a
+    `DynamicTree`: the children are the draft's top choices under sampling too (taken,
+    not drawn: `Children.FIXED`) and the proposal carries each node's path log-probability
+    (the processed distribution's; under greedy the draft's softmax)."""
     depth_of = np.concatenate([[0], tree.depth])  # per block row
     parents = np.asarray(tree.parents) + 1  # each node's parent block row
     rank = np.array([list(tree.children[parents[i]]).index(i) for i in range(tree.size)])
@@ -112,18 +147,21 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
     root = gather_window(state.tokens, t, 1)
     tokens = jnp.full((t.shape[0], tree.size), -1, jnp.int32)
     p = None
+    logp = jnp.full((t.shape[0], tree.size), -jnp.inf, jnp.float32) if scored else None
     logits, carry, ds = steps.first(params, state)
-    rows = logits[:, None]
+    rows = logits._replace(logits=logits.logits[:, None]) if isinstance(logits, Reduced) else logits[:, None]
     for d in range(1, tree.max_depth + 1):
-        frontier = np.flatnonzero(depth_of == d - 1)  # block rows whose children are drawn now
+        # the block rows whose children are drawn now (a leaf's row is not read: no head)
+        frontier = np.flatnonzero((depth_of == d - 1) & (tree.children[:, 0] >= 0))
         if d > 1:
             m = int(np.sum(depth_of < d))
             block = jnp.concatenate([root, jnp.maximum(tokens[:, : m - 1], 0)], axis=1)
             rows, carry, ds = steps.block(params, block, block_positions(tree, t)[:, :m], ds,
                                           block_paths(tree)[:m], carry, frontier)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, d)
-        chosen, probs = _choose(rows, sampling, step_keys, width)  # [B, F, W]
-        if probs is not None:  # leaves' rows stay 0 (never read)
+        chosen, probs, chosen_logp = _choose(rows, sampling, step_keys, width, fixed=scored,
+                                             scored=scored)  # [B, F, W]
+        if probs is not None and not scored:  # leaves' rows stay 0 (never read)
             if p is None:
                 p = jnp.zeros((t.shape[0], tree.size + 1, probs.shape[2]), jnp.float32)
             p = p.at[:, frontier].set(probs)
@@ -132,7 +170,34 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
             if parents[i] > 0:  # below an absent node: absent
                 x = jnp.where(tokens[:, parents[i] - 1] >= 0, x, -1)
             tokens = tokens.at[:, i].set(x)
-    return TreeProposal(tokens, p, ds, children_mode(sampling), tree.max_depth)
+            if scored:
+                slot = int(np.flatnonzero(frontier == parents[i])[0]), rank[i]
+                logp = logp.at[:, i].set(jnp.where(x >= 0, chosen_logp[:, slot[0], slot[1]], -jnp.inf))
+    layout = getattr(steps, "chain_layout", False)
+    if scored:
+        return TreeProposal(tokens, None, ds, Children.FIXED, tree.max_depth,
+                            scores=path_log_probs(tree, logp), chain_layout=layout)
+    return TreeProposal(tokens, p, ds, children_mode(sampling), tree.max_depth, chain_layout=layout)
+
+
+class Reduced(NamedTuple):
+    """A reduced head's rows: logits [..., n] over the token ids [n] (sorted; a decoding
+    head repeats its last id as padding, `feature_draft.reduced_head`) of a vocabulary of
+    `vocab`; every other token has logit -1e30, probability 0 (`feature_draft.draft_logits`)."""
+
+    logits: jax.Array
+    ids: jax.Array
+    vocab: int
+
+    def full(self) -> jax.Array:
+        """The logits over the whole vocabulary, as `draft_logits` scatters them."""
+        full = jnp.full(self.logits.shape[:-1] + (self.vocab,), -1e30, jnp.float32)
+        return full.at[..., self.ids].set(self.logits.astype(jnp.float32))
+
+    def unique(self) -> jax.Array:
+        """The logits with a repeated id's copies at -1e30: each token once, as in `full`."""
+        repeat = jnp.concatenate([jnp.zeros((1,), bool), self.ids[1:] == self.ids[:-1]])
+        return jnp.where(repeat, -1e30, self.logits.astype(jnp.float32))
 
 
 class ModelSteps(NamedTuple):
@@ -169,16 +234,40 @@ class FeatureSteps(NamedTuple):
         b, _, d = g.shape
         gs = jnp.zeros((b, self.tree.size + 1, d), g.dtype).at[:, 0].set(g[:, 0])
         root_feature = shifted_features(fs.features, state.current, 1)
-        return self._model.logits(params, g)[:, 0], (root_feature, gs), fs
+        return self._head(params, g[:, 0]), (root_feature, gs), fs
+
+    @property
+    def chain_layout(self) -> bool:
+        """A spine-only tree (`spine_only`): each call after the first feeds the one
+        inner node of its depth, the spine's, at its position, as a chain's step does
+        (no tree attention, no rows for nodes already fed or for leaves)."""
+        return spine_only(self.tree)
 
     def block(self, params, tokens, positions, fs, paths, carry, frontier):
         root_feature, gs = carry
+        if self.chain_layout:
+            r = int(frontier[0])  # the spine's node of this depth, as a block row
+            parent = int(self.tree.parents[r - 1]) + 1
+            g, cache = self._model.forward(params, tokens[:, r: r + 1], gs[:, parent: parent + 1],
+                                           positions[:, r: r + 1], fs.cache,
+                                           self.drafter._attention(fs.cache))
+            gs = gs.at[:, r].set(g[:, 0])
+            return self._head(params, g), (root_feature, gs), fs.replace(cache=cache)
         parents = np.asarray(self.tree.parents)[: tokens.shape[1] - 1] + 1
         features = jnp.concatenate([root_feature, gs[:, parents]], axis=1)
         g, cache = self._model.forward(params, tokens, features, positions, fs.cache,
                                        self.drafter._attention(fs.cache), paths=paths)
         gs = gs.at[:, frontier].set(g[:, frontier])
-        return self._model.logits(params, g[:, frontier]), (root_feature, gs), fs.replace(cache=cache)
+        return self._head(params, g[:, frontier]), (root_feature, gs), fs.replace(cache=cache)
+
+    def _head(self, params, g):
+        """The draft's rows at features g [..., D]: its logits, or with a reduced head the
+        reduced logits and their token ids (`Reduced`: no full-vocabulary scatter)."""
+        if "head_ids" not in params:
+            return self._model.logits(params, g)
+        from specsamp.models.feature_draft import head_product
+
+        return Reduced(head_product(g, params["head"]["kernel"]), params["head_ids"], self.drafter.cfg.vocab_size)
 
     @property
     def _model(self):
