@@ -12,12 +12,19 @@ makes K draft calls:
   - depth d > 1: the root and every node of depth < d, one call with the tree's attention
     (`Model.forward(..., paths=)`), so each node reads the cache and its own path only
     (a feature draft: each node fed its parent's predicted feature, as a chain's step).
-    The rows of the depth d - 1 nodes give their children.
+    The rows of the depth d - 1 nodes that have children give their children (a leaf
+    needs no head). A feature draft on a tree whose only inner nodes are the spine's
+    (`spine_only`: 1-2-11, a dynamic tree's candidates) feeds just the spine's node of
+    depth d - 1 at its position, as a chain's step, and leaves its cache as a chain's
+    (`TreeProposal.chain_layout`): drafting such a tree costs what the chain's does.
 The children of a node are, under greedy, the draft's top-w tokens (`Children.FIXED`: a
 function of the context); under sampling, w draws without replacement from the node's
 draft distribution in draw order (Gumbel top-w, `Children.DISTINCT`), so the acceptance
-rule's DISTINCT case is exactly how they came. A child drawn past the end of p's support
-(probability 0) and every node below an absent node is absent (token -1).
+rule's DISTINCT case is exactly how they came; for a `DynamicTree`'s candidates
+(`scored`), the top-w processed probabilities, taken (FIXED) whatever the temperature. A
+child drawn past the end of p's support (probability 0) and every node below an absent
+node is absent (token -1). A reduced draft head's rows stay reduced where nothing is drawn
+(`Reduced`).
 """
 
 from __future__ import annotations
