@@ -93,13 +93,11 @@ def test_candidates_and_their_text():
             parse_tree(bad)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(0.7, 0, 0.9),
-                                      SamplingParams(1.0, 3, 1.0)])
-def test_reduced_head_children_equal_the_full_vocabulary_s(sampling):
+def test_reduced_head_children_equal_the_full_vocabulary_s():
     """Catches a reduced index returned as a token id, a padded (repeated) id taken twice,
     a different first index among equal logits, log-probabilities of another
-    normalisation: the children (top choices, not drawn) and their log-probabilities
-    from a reduced head's rows against the same rows scattered over the vocabulary."""
+    normalisation: greedy children and their log-probabilities from a reduced head's rows
+    against the same rows scattered over the vocabulary."""
     vocab, n = 97, 20
     ids = np.sort(np.random.default_rng(0).choice(vocab, n - 4, replace=False))
     ids = jnp.asarray(np.concatenate([ids, np.repeat(ids[-1:], 4)]), jnp.int32)  # padded
@@ -109,13 +107,14 @@ def test_reduced_head_children_equal_the_full_vocabulary_s(sampling):
     logits = logits.at[..., n - 4:].set(logits[..., n - 5: n - 4])  # padding: the same row
     rows = Reduced(logits, ids, vocab)
     keys = jax.random.split(jax.random.PRNGKey(2), 2)
+    sampling = SamplingParams(0.0)
     for width in (1, 2, 3):
-        got, _, got_lp = _choose(rows, sampling, keys, width, fixed=True, scored=True)
-        want, _, want_lp = _choose(rows.full(), sampling, keys, width, fixed=True, scored=True)
+        got, _, got_lp = _choose(rows, sampling, keys, width, scored=True)
+        want, _, want_lp = _choose(rows.full(), sampling, keys, width, scored=True)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), rtol=1e-5, atol=1e-6)
-    top = [t for t in np.asarray(got[0, 0]).tolist() if t >= 0]  # the padded id once
-    assert top[0] == int(ids[n - 1]) and len(set(top)) == len(top)
+    top = np.asarray(got[0, 0]).tolist()  # the padded id once
+    assert top[0] == int(ids[n - 1]) and len(set(top)) == 3
 
 
 @pytest.mark.parametrize("draft,tree", [
@@ -150,3 +149,62 @@ def test_spine_fed_as_a_chain_drafts_what_the_tree_block_drafts(monkeypatch, dra
         assert f.token_ids == b.token_ids == a.token_ids
         assert f.accepted == b.accepted
     assert sum(sum(f.accepted) for f in fast) > 0
+
+
+def test_a_drawn_node_s_score_never_reads_its_own_token():
+    """Sampled dynamic trees (`tree_draft._drawn_scores`): whether a drawn node is chosen
+    must not depend on what was drawn there. Catches a score that reads the node's own
+    probability (EAGLE-2's path probability, exact only for children taken, not drawn):
+    changing one node's own log-probability moves only its descendants' scores; a child
+    never scores above its parent, a later draw never above an earlier one."""
+    from specsamp.decoding.tree_draft import _drawn_scores
+
+    cand = DynamicTree.of(6).candidates
+    rng = np.random.default_rng(5)
+    logp = jnp.asarray(np.log(rng.uniform(0.01, 1, (4, cand.size))), jnp.float32)
+    ranked = np.log(np.sort(rng.uniform(0.01, 1, (4, cand.size + 1, 3)), axis=2)[:, :, ::-1])
+    rank = np.array([p[-1] - 1 for p in cand.rank_paths])
+    parent_row = np.asarray(cand.parents) + 1  # each node's parent's largest probabilities
+    slot = jnp.asarray(ranked[:, parent_row, rank], jnp.float32)  # its rank-th largest
+    base = np.asarray(_drawn_scores(cand, logp, slot))
+    for i in range(cand.size):
+        moved = np.asarray(_drawn_scores(cand, logp.at[:, i].add(-1.5), slot))
+        others = ~cand.ancestors[:, i]  # nodes below i have i among their ancestors
+        others[i] = True
+        np.testing.assert_array_equal(moved[:, others], base[:, others])
+    parents = np.asarray(cand.parents)
+    inner = parents >= 0
+    assert np.all(base[:, inner] <= base[:, parents[inner]])
+    for u in range(-1, cand.size):
+        kids = cand.children[u + 1][cand.children[u + 1] >= 0]
+        assert np.all(np.diff(base[:, kids], axis=1) <= 0)
+
+
+def test_draws_without_replacement_follow_their_law():
+    """`tree_draft._draw_distinct` (the sampled trees' children): the first two draws'
+    joint frequencies against the exact law of two draws without replacement (p(a) p(b) /
+    (1 - p(a))), zeros never drawn, a draw past the support marked -1. Catches a second
+    draw from the unmasked row (repeats), from a renormalised row drawn wrongly, or a
+    zero-probability token drawn."""
+    from specsamp.decoding.tree_draft import _draw_distinct
+    from tests.test_exactness import ALPHA, chi_square_pvalue
+
+    p = np.array([0.5, 0.0, 0.3, 0.15, 0.05], np.float32)
+    n = 20000
+    probs = jnp.broadcast_to(jnp.asarray(p), (n, 1, 5))
+    keys = jax.random.split(jax.random.PRNGKey(7), n)
+    tokens, logp = _draw_distinct(probs, keys, 3, True)
+    tokens = np.asarray(tokens)[:, 0]
+    assert not np.any(tokens == 1) and np.all(tokens[:, 0] != tokens[:, 1])
+    np.testing.assert_allclose(np.asarray(logp)[:, 0, 0], np.log(p[tokens[:, 0]]), rtol=1e-6)
+    law = np.zeros((5, 5))
+    for a in range(5):
+        for b in range(5):
+            if a != b and p[a] < 1:
+                law[a, b] = p[a] * p[b] / (1 - p[a])
+    counts = np.zeros((5, 5))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    assert chi_square_pvalue(counts, law) > ALPHA
+    one = jnp.asarray([[[0.0, 1.0, 0.0]]], jnp.float32)  # support of one: the rest absent
+    got, _ = _draw_distinct(one, jax.random.split(jax.random.PRNGKey(1), 1), 3, False)
+    assert np.asarray(got).tolist() == [[[1, -1, -1]]]

@@ -105,7 +105,7 @@ def test_tree_joint_distribution_of_three_tokens_matches_target(draft, tree, tem
 _CHOOSE = tree_draft._choose
 
 
-def _top_w(logits, sampling, keys, width, fixed=False, scored=False):
+def _top_w(logits, sampling, keys, width, scored=False):
     """The control's children: the draft's top-w tokens (deterministic), with the
     sampled distribution, while the drafter still says DISTINCT draws."""
     tokens, _, _ = _CHOOSE(logits, SamplingParams(0.0), keys, width)
@@ -119,6 +119,22 @@ def test_the_tree_check_fails_children_misdescribed(monkeypatch):
     monkeypatch.setattr(tree_draft, "_choose", _top_w)
     sp = SamplingParams(1.0)
     counts, _ = sample_counts(tree_engine(sp, "tiny-draft", Tree.full((4,))))  # a shape only this test compiles
+    assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
+
+
+@pytest.mark.slow
+def test_the_tree_check_fails_a_dynamic_tree_chosen_by_its_draws(monkeypatch, request):
+    """A sampled dynamic tree whose rows choose their drawn nodes by the nodes' own
+    probabilities (EAGLE-2's path probability, exact only for children taken, not drawn):
+    likely draws are kept more often than drawn, and the chi-square rejects it."""
+    from specsamp.compilation import forget_executables
+    from specsamp.decoding.tree import path_log_probs
+
+    forget_executables()
+    request.addfinalizer(forget_executables)
+    monkeypatch.setattr(tree_draft, "_drawn_scores", lambda tree, logp, slot: path_log_probs(tree, logp))
+    sp = SamplingParams(1.0)
+    counts, _ = sample_counts(tree_engine(sp, "tiny-feature", DynamicTree.of(2)))
     assert chi_square_pvalue(counts, exact_joint(sp)) < ALPHA
 
 

@@ -246,8 +246,8 @@ class HybridDrafter:
     def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree,
                      scored: bool = False) -> TreeProposal:
         """A `DynamicTree`'s candidates (scored): a row with a lookup match takes the
-        lookup's (`_scored_lookup`), a row without one the model's; every child taken,
-        not drawn (`Children.FIXED`). Otherwise a row with a lookup match drafts the lookup's tree (its best matches as
+        lookup's (`_scored_lookup`), a row without one the model's (`_propose_scored`).
+        Otherwise a row with a lookup match drafts the lookup's tree (its best matches as
         branches, `Children.FIXED`); a row without one, the model's tree (its children
         drawn as the model drafts them). Which one is decided by the row's own tokens
         before anything is drawn, and the proposal says it (`TreeProposal.fixed_rows`), so
@@ -281,20 +281,28 @@ class HybridDrafter:
                             chain_layout=FeatureSteps(self.model, tree).chain_layout)
 
     def _propose_scored(self, params, state: DecodeState, keys, tree: Tree, running) -> TreeProposal:
+        """A `DynamicTree`'s candidates: a lookup row's from `_scored_lookup` (taken, not
+        drawn), another row's from the model as it drafts them; under sampling the proposal
+        says which rows are the lookup's (`TreeProposal.fixed_rows`), as `propose_tree`."""
         tokens, scores, found = self._scored_lookup(state, tree)
+        sampled = not self.model.sampling.greedy
+        b = state.current.shape[0]
+        p0 = jnp.zeros((b, tree.size + 1, self.model.cfg.vocab_size), jnp.float32) if sampled else None
 
         def lookup_only(carry):
-            _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
-            return tokens, scores, fs
+            _, fs = self.model.refresh(params, state.replace(draft=carry[3]))
+            return tokens, scores, carry[2], fs
 
         def with_model(carry):
-            drafted = self.model.propose_tree(params, state.replace(draft=carry[2]), keys, tree, True)
+            drafted = self.model.propose_tree(params, state.replace(draft=carry[3]), keys, tree, True)
             pick = found[:, None]
             return (jnp.where(pick, tokens, drafted.tokens), jnp.where(pick, scores, drafted.scores),
-                    drafted.draft_state)
+                    drafted.p, drafted.draft_state)
 
-        tokens, scores, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
-                                           (tokens, scores, state.draft))
+        tokens, scores, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
+                                              (tokens, scores, p0, state.draft))
         calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
-        return TreeProposal(tokens, None, fs, Children.FIXED, calls, scores=scores,
+        model_children = children_mode(self.model.sampling)
+        return TreeProposal(tokens, p, fs, model_children, calls,
+                            None if model_children is Children.FIXED else found, scores=scores,
                             chain_layout=FeatureSteps(self.model, tree).chain_layout)

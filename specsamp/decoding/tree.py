@@ -182,9 +182,12 @@ class DynamicTree:
     candidates its draft finds most likely, by the product of the draft's probabilities
     along the node's path (`select_nodes`). The scoring block has nodes + 1 rows whatever
     the row's shape; where the draft is sure the row's tree runs deep, where it hesitates
-    it spreads. The choice reads the draft alone (never the target), and the children are
-    the draft's top choices taken without drawing (`Children.FIXED`), so acceptance is the
-    FIXED rule on each row's own tree: exact under greedy and sampling alike."""
+    it spreads. The choice reads the draft alone (never the target or the tests' uniforms):
+    under greedy the children are the draft's top choices (`Children.FIXED`) and a node's
+    score is its path probability; under sampling they are draws without replacement
+    (`Children.DISTINCT`) and a node's score never reads its own drawn token
+    (`tree_draft.draft_tree`), so acceptance is the rule of how each row's children came,
+    on that row's own tree: exact either way."""
 
     nodes: int
     candidates: Tree

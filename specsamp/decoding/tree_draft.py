@@ -19,11 +19,10 @@ makes K draft calls:
     (`TreeProposal.chain_layout`): drafting such a tree costs what the chain's does.
 The children of a node are, under greedy, the draft's top-w tokens (`Children.FIXED`: a
 function of the context); under sampling, w draws without replacement from the node's
-draft distribution in draw order (Gumbel top-w, `Children.DISTINCT`), so the acceptance
-rule's DISTINCT case is exactly how they came; for a `DynamicTree`'s candidates
-(`scored`), the top-w processed probabilities, taken (FIXED) whatever the temperature. A
+draft distribution in draw order (`Children.DISTINCT`), so the acceptance
+rule's DISTINCT case is exactly how they came (a `DynamicTree`'s candidates as well). A
 child drawn past the end of p's support (probability 0) and every node below an absent
-node is absent (token -1). A reduced draft head's rows stay reduced where nothing is drawn
+node is absent (token -1). A reduced draft head's rows stay reduced under greedy
 (`Reduced`).
 """
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specsamp.decoding.config import SamplingParams
-from specsamp.decoding.sampling import probs_from_logits
+from specsamp.decoding.sampling import draw, probs_from_logits
 from specsamp.decoding.state import DecodeState, gather_window, shifted_features
 from specsamp.decoding.tree import Tree, block_paths, block_positions, path_log_probs
 from specsamp.decoding.tree_acceptance import Children
@@ -83,20 +82,18 @@ def children_mode(sampling: SamplingParams) -> Children:
     return Children.FIXED if sampling.greedy else Children.DISTINCT
 
 
-def _choose(rows, sampling: SamplingParams, keys: jax.Array, width: int, fixed: bool = False,
-            scored: bool = False):
+def _choose(rows, sampling: SamplingParams, keys: jax.Array, width: int, scored: bool = False):
     """width children for each of M rows: rows [B, M, V] logits (or `Reduced`) -> (tokens
     [B, M, W], probs [B, M, V] or None, logp [B, M, W] or None). Greedy: the top-W logits;
-    else Gumbel top-W of the processed probabilities (W draws without replacement, in draw
-    order), a token of probability 0 marked -1; fixed: the top-W processed probabilities,
-    not drawn (the same marks). probs: the processed rows, where drawn (acceptance reads
-    them). scored: logp, each chosen token's log-probability (the processed distribution's;
-    under greedy the draft's softmax). A reduced head's rows stay reduced where nothing is
-    drawn: the same tokens as over the whole vocabulary, at a sixth of the work for the
-    shipped draft (a full row's scatter and passes cost the tree ~0.3 ms a round)."""
+    else W draws without replacement from the processed probabilities, in draw order
+    (`_draw_distinct`), a draw past the support marked -1. probs: the processed rows, where drawn
+    (acceptance reads them). scored: logp, each chosen token's log-probability (the
+    processed distribution's; under greedy the draft's softmax). A reduced head's rows stay
+    reduced under greedy: the same tokens as over the whole vocabulary, at a sixth of the
+    work for the shipped draft (a full row's scatter and passes cost a tree ~0.3 ms a round)."""
     if isinstance(rows, Reduced):
-        if sampling.greedy or fixed:
-            at, _, logp = _choose(rows.unique(), sampling, keys, width, fixed, scored)
+        if sampling.greedy:
+            at, _, logp = _choose(rows.unique(), sampling, keys, width, scored)
             return jnp.where(at >= 0, rows.ids[jnp.maximum(at, 0)], -1), None, logp
         rows = rows.full()
     logits = rows.astype(jnp.float32)
@@ -106,14 +103,30 @@ def _choose(rows, sampling: SamplingParams, keys: jax.Array, width: int, fixed: 
                 - jax.nn.logsumexp(logits, axis=2, keepdims=True)) if scored else None
         return tokens, None, logp
     probs = probs_from_logits(logits, sampling)
-    if fixed:
-        tokens = _top(probs, width)
-    else:
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:], jnp.float32))(keys)
-        tokens = _top(jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + gumbel, -jnp.inf), width)
-    chosen = jnp.take_along_axis(probs, tokens, axis=2)
-    logp = jnp.log(chosen) if scored else None
-    return jnp.where(chosen > 0, tokens, -1), probs, logp
+    tokens, logp = _draw_distinct(probs, keys, width, scored)
+    return tokens, probs, logp
+
+
+def _draw_distinct(probs: jax.Array, keys: jax.Array, width: int, scored: bool):
+    """width draws without replacement from each row of probs [B, M, V], in draw order:
+    each by inverse CDF (`sampling.draw`: one uniform, the native one-pass kernel on long
+    rows) from the row with the earlier draws' tokens set to 0, so the j-th draw has the
+    law the DISTINCT rule tests it against. A draw past the row's support (mass left 0) is
+    -1. Returns (tokens [B, M, W], logp [B, M, W] of the drawn tokens, or None). (Gumbel
+    top-w draws the same law with V random numbers a row: ~1 ms a sampled tree round on
+    a CPU, against W uniforms.)"""
+    b, m, v = probs.shape
+    u = jax.vmap(lambda k: jax.random.uniform(k, (m, width), jnp.float32))(keys)
+    ids = jnp.arange(v, dtype=jnp.int32)
+    left, tokens, logp = probs, [], []
+    for j in range(width):
+        x = jnp.clip(jax.vmap(jax.vmap(draw))(left, u[..., j]), 0, v - 1)  # [B, M]
+        mass = jnp.take_along_axis(left, x[..., None], axis=2)[..., 0]
+        tokens.append(jnp.where(mass > 0, x, -1))
+        logp.append(jnp.log(mass))
+        if j + 1 < width:
+            left = jnp.where(ids == tokens[-1][..., None], 0.0, left)
+    return jnp.stack(tokens, axis=2), (jnp.stack(logp, axis=2) if scored else None)
 
 
 def _top(x: jax.Array, width: int) -> jax.Array:
@@ -143,9 +156,17 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
       block(params, tokens [B, M], positions, ds, paths [M, P], carry, frontier) ->
         (logits [B, F, V] at the block rows `frontier` (numpy), carry, ds).
     keys [B]: the rows' draft keys of this round. scored: the candidates of a
-    `DynamicTree`: the children are the draft's top choices under sampling too (taken,
-    not drawn: `Children.FIXED`) and the proposal carries each node's path log-probability
-    (the processed distribution's; under greedy the draft's softmax)."""
+    `DynamicTree`, and the proposal carries each node's score for the choice of a row's
+    nodes (`tree.select_nodes`), the larger the likelier the node is kept:
+      - greedy (children the top choices, a function of the context): the node's path
+        log-probability under the draft's softmax, its own token's included (EAGLE-2's);
+      - sampling (children drawn without replacement): never the node's own token, which
+        would make whether a drawn child is present depend on what was drawn, and its law
+        given that it is present no longer the draft's. A node's score is its parent's path
+        log-probability (the drawn ancestors' processed probabilities) plus the log of
+        the draft's rank-th largest probability there (what a rank-th draw is worth before
+        it is drawn), capped by its parent's score (so a chosen node's parent is chosen,
+        and the children chosen at a node are its first draws)."""
     depth_of = np.concatenate([[0], tree.depth])  # per block row
     parents = np.asarray(tree.parents) + 1  # each node's parent block row
     rank = np.array([list(tree.children[parents[i]]).index(i) for i in range(tree.size)])
@@ -155,6 +176,8 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
     tokens = jnp.full((t.shape[0], tree.size), -1, jnp.int32)
     p = None
     logp = jnp.full((t.shape[0], tree.size), -jnp.inf, jnp.float32) if scored else None
+    drawn = scored and not sampling.greedy
+    slot_logp = jnp.full((t.shape[0], tree.size), -jnp.inf, jnp.float32) if drawn else None
     logits, carry, ds = steps.first(params, state)
     rows = logits._replace(logits=logits.logits[:, None]) if isinstance(logits, Reduced) else logits[:, None]
     for d in range(1, tree.max_depth + 1):
@@ -166,9 +189,10 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
             rows, carry, ds = steps.block(params, block, block_positions(tree, t)[:, :m], ds,
                                           block_paths(tree)[:m], carry, frontier)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, d)
-        chosen, probs, chosen_logp = _choose(rows, sampling, step_keys, width, fixed=scored,
-                                             scored=scored)  # [B, F, W]
-        if probs is not None and not scored:  # leaves' rows stay 0 (never read)
+        chosen, probs, chosen_logp = _choose(rows, sampling, step_keys, width, scored=scored)  # [B, F, W]
+        if drawn:  # what the rank-th draw is worth before it is drawn
+            ranked = jnp.log(jnp.take_along_axis(probs, _top(probs, width), axis=2))
+        if probs is not None:  # leaves' rows stay 0 (never read)
             if p is None:
                 p = jnp.zeros((t.shape[0], tree.size + 1, probs.shape[2]), jnp.float32)
             p = p.at[:, frontier].set(probs)
@@ -180,11 +204,27 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
             if scored:
                 slot = int(np.flatnonzero(frontier == parents[i])[0]), rank[i]
                 logp = logp.at[:, i].set(jnp.where(x >= 0, chosen_logp[:, slot[0], slot[1]], -jnp.inf))
+                if drawn:
+                    slot_logp = slot_logp.at[:, i].set(jnp.where(x >= 0, ranked[:, slot[0], slot[1]], -jnp.inf))
     layout = getattr(steps, "chain_layout", False)
+    scores = None
     if scored:
-        return TreeProposal(tokens, None, ds, Children.FIXED, tree.max_depth,
-                            scores=path_log_probs(tree, logp), chain_layout=layout)
-    return TreeProposal(tokens, p, ds, children_mode(sampling), tree.max_depth, chain_layout=layout)
+        scores = path_log_probs(tree, logp) if not drawn else _drawn_scores(tree, logp, slot_logp)
+    return TreeProposal(tokens, p, ds, children_mode(sampling), tree.max_depth, scores=scores,
+                        chain_layout=layout)
+
+
+def _drawn_scores(tree: Tree, logp: jax.Array, slot_logp: jax.Array) -> jax.Array:
+    """A sampled dynamic tree's node scores (`draft_tree`): logp [B, N] each drawn node's
+    own log-probability, slot_logp [B, N] the log of its rank's probability at its parent.
+    A node's score: its strict ancestors' logp summed, plus its slot_logp, capped by its
+    parent's score; its own logp enters only its descendants' scores."""
+    strict = tree.ancestors & ~np.eye(tree.size, dtype=bool)
+    raw = jnp.maximum(logp, -1e30) @ jnp.asarray(strict.T, logp.dtype) + slot_logp
+    cols = []
+    for i, parent in enumerate(tree.parents):
+        cols.append(raw[:, i] if parent < 0 else jnp.minimum(raw[:, i], cols[parent]))
+    return jnp.stack(cols, axis=1)
 
 
 class Reduced(NamedTuple):

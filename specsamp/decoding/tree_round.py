@@ -63,6 +63,9 @@ def tree_round(prog, target_params, draft_params, state: DecodeState, eos_ids, s
     else:
         q = probs_from_logits(logits, prog.sampling)
         p = jnp.zeros_like(q) if proposal.p is None else proposal.p  # None: FIXED, not read
+        if chosen is not None and proposal.p is not None:  # the chosen nodes' rows
+            rows = jnp.concatenate([jnp.zeros_like(chosen[:, :1]), chosen + 1], axis=1)
+            p = jnp.take_along_axis(p, rows[:, :, None], axis=1)
         acc = accept_tree_batch(accept_keys, tokens, p, q, tree=tree,
                                 children=proposal.children, fixed=proposal.fixed_rows)
         spine = spine_kept(acc.path, tree=tree)
