@@ -2,8 +2,9 @@
 
 The drafter proposes a tree of the program's static shape per row (`propose_tree`,
 `tree_draft`), or for a `DynamicTree` its candidates, of which each row keeps the nodes
-its draft scores best (`tree.select_nodes`: a tree per row, the same number of nodes); the target scores the root (the current token) and the N nodes in one
-call with the tree's attention (`Model.forward(..., paths=)`); acceptance walks the tree
+its draft scores best (`tree.select_nodes`: a tree per row, the same number of nodes);
+the target scores the root (the current token) and the N nodes in one call with the
+tree's attention (`Model.forward(..., paths=)`); acceptance walks the tree
 (`tree_acceptance`: greedy, or sampling for how the drafter says the children were
 chosen); the accepted path's keys and values move to slot = position (`keep_path`); the
 path's tokens and the token after it are committed as a chain round's would be. The
