@@ -206,9 +206,8 @@ class KPolicy:
     def round_seconds(self, shape) -> float:
         """A round's seconds at `shape`: the curve's, corrected by the run's timed chunks
         (`cost_weight`), per modelled round (`observe`)."""
-        key = shape_key(shape)
-        seconds, _, modelled = self.timed.get(key, (0.0, 0, 0.0))
-        prior = self.curve.rounds[key] * self._drift()
+        seconds, _, modelled = self._timed(shape)
+        prior = self.curve.rounds[shape_key(shape)] * self._drift()
         return (self.cost_weight * prior + seconds) / (self.cost_weight + modelled)
 
     def _drift(self) -> float:
@@ -222,9 +221,12 @@ class KPolicy:
         """`margin`, times the larger share of the curve in the round seconds of plain
         rounds and of `shape` (`round_seconds`: `cost_weight` rounds at the curve's figure
         against the run's timed rounds)."""
-        share = [self.cost_weight / (self.cost_weight + self.timed.get(shape_key(x), (0, 0, 0.0))[2])
-                 for x in (0, shape)]
+        share = [self.cost_weight / (self.cost_weight + self._timed(x)[2]) for x in (0, shape)]
         return self.margin * max(share)
+
+    def _timed(self, shape) -> tuple[float, int, float]:
+        """The run's timed chunks at `shape`: (seconds, rounds, modelled rounds), 0 if none."""
+        return self.timed.get(shape_key(shape), (0.0, 0, 0.0))
 
     def alphas(self, accepted: np.ndarray, tested: np.ndarray, pooled=None) -> np.ndarray:
         """Each row's rate: its accepted over tested draft tokens, with `row_prior_weight()`

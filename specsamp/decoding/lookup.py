@@ -245,64 +245,40 @@ class HybridDrafter:
 
     def propose_tree(self, params, state: DecodeState, keys: jax.Array, tree: Tree,
                      scored: bool = False) -> TreeProposal:
-        """A `DynamicTree`'s candidates (scored): a row with a lookup match takes the
-        lookup's (`_scored_lookup`), a row without one the model's (`_propose_scored`).
-        Otherwise a row with a lookup match drafts the lookup's tree (its best matches as
-        branches, `Children.FIXED`); a row without one, the model's tree (its children
-        drawn as the model drafts them). Which one is decided by the row's own tokens
-        before anything is drawn, and the proposal says it (`TreeProposal.fixed_rows`), so
-        each row is accepted by the rule of how its children came: exact either way. When
-        every running row has a match the model's tree is skipped; only its first call
-        runs (its cache keeps up with the accepted tokens, as in chain rounds)."""
+        """A row with a lookup match drafts the lookup's tree (its best matches as
+        branches, `Children.FIXED`; for a `DynamicTree`'s candidates, `scored`, those of
+        `_scored_lookup` with their scores); a row without one, the model's tree (its
+        children drawn as the model drafts them). Which one is decided by the row's own
+        tokens before anything is drawn, and the proposal says it
+        (`TreeProposal.fixed_rows`), so each row is accepted by the rule of how its
+        children came: exact either way. When every running row has a match the model's
+        tree is skipped; only its first call runs (its cache keeps up with the accepted
+        tokens, as in chain rounds)."""
         running = state.stop_reason == RUNNING
         if scored:
-            return self._propose_scored(params, state, keys, tree, running)
-        lookup = self.ngram.propose_tree(None, state, keys, tree)
-        found = lookup.tokens[:, 0] >= 0  # node 0 is the best match's first token
+            tokens, scores, found = self._scored_lookup(state, tree)
+        else:
+            tokens, scores = self.ngram.propose_tree(None, state, keys, tree).tokens, None
+            found = tokens[:, 0] >= 0  # node 0 is the best match's first token
         sampled = not self.model.sampling.greedy
         b = state.current.shape[0]
         p0 = jnp.zeros((b, tree.size + 1, self.model.cfg.vocab_size), jnp.float32) if sampled else None
-
-        def lookup_only(carry):
-            _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
-            return lookup.tokens, carry[1], fs
-
-        def with_model(carry):
-            drafted = self.model.propose_tree(params, state.replace(draft=carry[2]), keys, tree)
-            tokens = jnp.where(found[:, None], lookup.tokens, drafted.tokens)
-            return tokens, drafted.p, drafted.draft_state
-
-        tokens, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
-                                      (lookup.tokens, p0, state.draft))
-        model_children = children_mode(self.model.sampling)
-        calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
-        return TreeProposal(tokens, p, fs, model_children, calls,
-                            None if model_children is Children.FIXED else found,
-                            chain_layout=FeatureSteps(self.model, tree).chain_layout)
-
-    def _propose_scored(self, params, state: DecodeState, keys, tree: Tree, running) -> TreeProposal:
-        """A `DynamicTree`'s candidates: a lookup row's from `_scored_lookup` (taken, not
-        drawn), another row's from the model as it drafts them; under sampling the proposal
-        says which rows are the lookup's (`TreeProposal.fixed_rows`), as `propose_tree`."""
-        tokens, scores, found = self._scored_lookup(state, tree)
-        sampled = not self.model.sampling.greedy
-        b = state.current.shape[0]
-        p0 = jnp.zeros((b, tree.size + 1, self.model.cfg.vocab_size), jnp.float32) if sampled else None
+        pick = found[:, None]
 
         def lookup_only(carry):
             _, fs = self.model.refresh(params, state.replace(draft=carry[3]))
             return tokens, scores, carry[2], fs
 
         def with_model(carry):
-            drafted = self.model.propose_tree(params, state.replace(draft=carry[3]), keys, tree, True)
-            pick = found[:, None]
-            return (jnp.where(pick, tokens, drafted.tokens), jnp.where(pick, scores, drafted.scores),
+            drafted = self.model.propose_tree(params, state.replace(draft=carry[3]), keys, tree, scored)
+            return (jnp.where(pick, tokens, drafted.tokens),
+                    None if scores is None else jnp.where(pick, scores, drafted.scores),
                     drafted.p, drafted.draft_state)
 
         tokens, scores, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
                                               (tokens, scores, p0, state.draft))
-        calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
         model_children = children_mode(self.model.sampling)
+        calls = jnp.where(found, 1, tree.max_depth).astype(jnp.int32)
         return TreeProposal(tokens, p, fs, model_children, calls,
                             None if model_children is Children.FIXED else found, scores=scores,
                             chain_layout=FeatureSteps(self.model, tree).chain_layout)

@@ -179,8 +179,8 @@ class Tree:
 class DynamicTree:
     """A tree chosen per row (EAGLE-2's dynamic tree): the drafter drafts every node of
     `candidates` (a static tree, level by level) and each row scores only the `nodes`
-    candidates its draft finds most likely, by the product of the draft's probabilities
-    along the node's path (`select_nodes`). The scoring block has nodes + 1 rows whatever
+    candidates its draft scores highest (`select_nodes`; under greedy, the product of the
+    draft's probabilities along the node's path). The scoring block has nodes + 1 rows whatever
     the row's shape; where the draft is sure the row's tree runs deep, where it hesitates
     it spreads. The choice reads the draft alone (never the target or the tests' uniforms):
     under greedy the children are the draft's top choices (`Children.FIXED`) and a node's
@@ -251,7 +251,8 @@ class RowTree(NamedTuple):
 
 def select_nodes(dyn: DynamicTree, tokens: jax.Array, score: jax.Array):
     """Each row's tree of a DynamicTree's round: tokens [B, Nc] the candidates' (-1
-    absent), score [B, Nc] each candidate's path log-probability under the draft. Returns
+    absent), score [B, Nc] each candidate's score from the draft (`tree_draft.draft_tree`:
+    under greedy its path log-probability), never above its parent's. Returns
     (RowTree with a leading [B], sel [B, N] the candidate behind each node, tokens [B, N]).
     The N best-scored present candidates, numbered as among the candidates (so parents
     first, siblings in the draft's order); a child scores below its parent (a small

@@ -52,8 +52,8 @@ class TreeProposal(NamedTuple):
     # a hybrid's lookup rows) while `children` says how the other rows' were; decided
     # by each row's own tokens before any draw. None: every row as `children` says.
     fixed_rows: jax.Array | None = None
-    # [B, N] float32 or None: each node's path log-probability under the draft, for a
-    # `DynamicTree`'s choice of nodes (`tree.select_nodes`); -inf for an absent node.
+    # [B, N] float32 or None: each node's score for a `DynamicTree`'s choice of nodes
+    # (`tree.select_nodes`; `draft_tree` says what it is); -inf for an absent node.
     scores: jax.Array | None = None
     # Where the drafter's cache holds the drafted nodes: False, the tree block's slots
     # (moved to the accepted path's positions after the round, `tree_round`); True, the
@@ -197,15 +197,15 @@ def draft_tree(steps, params, state: DecodeState, keys: jax.Array, tree: Tree,
                 p = jnp.zeros((t.shape[0], tree.size + 1, probs.shape[2]), jnp.float32)
             p = p.at[:, frontier].set(probs)
         for i in np.flatnonzero(tree.depth == d):
-            x = chosen[:, int(np.flatnonzero(frontier == parents[i])[0]), rank[i]]
+            at = int(np.flatnonzero(frontier == parents[i])[0]), rank[i]  # its parent's row, its rank
+            x = chosen[:, at[0], at[1]]
             if parents[i] > 0:  # below an absent node: absent
                 x = jnp.where(tokens[:, parents[i] - 1] >= 0, x, -1)
             tokens = tokens.at[:, i].set(x)
             if scored:
-                slot = int(np.flatnonzero(frontier == parents[i])[0]), rank[i]
-                logp = logp.at[:, i].set(jnp.where(x >= 0, chosen_logp[:, slot[0], slot[1]], -jnp.inf))
+                logp = logp.at[:, i].set(jnp.where(x >= 0, chosen_logp[:, at[0], at[1]], -jnp.inf))
                 if drawn:
-                    slot_logp = slot_logp.at[:, i].set(jnp.where(x >= 0, ranked[:, slot[0], slot[1]], -jnp.inf))
+                    slot_logp = slot_logp.at[:, i].set(jnp.where(x >= 0, ranked[:, at[0], at[1]], -jnp.inf))
     layout = getattr(steps, "chain_layout", False)
     scores = None
     if scored:
@@ -238,8 +238,9 @@ class Reduced(NamedTuple):
 
     def full(self) -> jax.Array:
         """The logits over the whole vocabulary, as `draft_logits` scatters them."""
-        full = jnp.full(self.logits.shape[:-1] + (self.vocab,), -1e30, jnp.float32)
-        return full.at[..., self.ids].set(self.logits.astype(jnp.float32))
+        from specsamp.models.feature_draft import scatter_reduced
+
+        return scatter_reduced(self.logits, self.ids, self.vocab)
 
     def unique(self) -> jax.Array:
         """The logits with a repeated id's copies at -1e30: each token once, as in `full`."""

@@ -104,9 +104,14 @@ def draft_logits(cfg: ModelConfig, params, g):
     into V with a very low logit (probability exactly 0 after softmax) elsewhere."""
     if "head_ids" not in params:
         return FeatureDraft(cfg).apply({"params": module_params(params)}, g, method=FeatureDraft.logits)
-    sub = head_product(g, params["head"]["kernel"])
-    full = jnp.full(g.shape[:-1] + (cfg.vocab_size,), -1e30, jnp.float32)
-    return full.at[..., params["head_ids"]].set(sub)
+    return scatter_reduced(head_product(g, params["head"]["kernel"]), params["head_ids"], cfg.vocab_size)
+
+
+def scatter_reduced(sub, ids, vocab: int):
+    """A reduced head's logits sub [..., n] over token ids [n] as logits [..., vocab]: -1e30
+    (probability exactly 0 after softmax) at every other token."""
+    full = jnp.full(sub.shape[:-1] + (vocab,), -1e30, jnp.float32)
+    return full.at[..., ids].set(sub.astype(jnp.float32))
 
 
 def head_product(g, kernel):
