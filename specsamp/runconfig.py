@@ -106,7 +106,7 @@ class RunConfig:
     limit: int | None = None
     dataset: str | None = None
     workers: Workers = Workers()
-    weights: str = "stored"  # stored | float32 | int8 (specsamp.loading.WEIGHTS)
+    weights: str = "stored"  # stored | stored-a8 | float32 | int8 (specsamp.loading.WEIGHTS)
     tensor_parallel: int = 1  # split the target over each worker's first N devices
     kv_cache: str = "auto"  # auto (the dtype's) | float32 | float16 | bfloat16: the target's KV cache
     dtype: str = "auto"  # auto | float32 | bfloat16 (specsamp.loading.DTYPES): weights and activations

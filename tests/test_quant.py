@@ -205,6 +205,7 @@ def test_kernels_on_other_instruction_sets(isa):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", __file__,
          os.path.join(os.path.dirname(__file__), "test_attention_kernel.py"),
+         os.path.join(os.path.dirname(__file__), "test_a8.py"),
          "-k", "kernel_matches or rows_independent or several_matrices or layer_view or argmax "
                "or rows_alike or ignores_later_slots"],
         env=env, capture_output=True, text=True, timeout=600)

@@ -96,7 +96,9 @@ def add_kv_cache_arg(g, many: bool = False) -> None:
 
 def add_weights_arg(g, many: bool = False) -> None:
     what = ("'stored' (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, the same model at a quarter of "
-            "the bytes), 'float32', or 'int8' (per-channel weight-only: a slightly different "
+            "the bytes), 'stored-a8' (those blocks, inputs rounded to bytes as llama.cpp "
+            "does: extra scored rows cost a third; a slightly different model), 'float32', "
+            "or 'int8' (per-channel weight-only: a slightly different "
             "model) (default: stored)")
     _choice_arg(g, "--weights", many, _weights, "stored", "weights", "weights: " + what,
                 "weight formats, e.g. stored,float32: " + what)

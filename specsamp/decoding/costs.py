@@ -111,9 +111,13 @@ def shape_program(prog, shape):
 def _curve_path(engine, batch: int, slots: int, width: int) -> str:
     drafter = engine.prog.drafter
     # the native kernels' build and the code they run too (SPECSAMP_ISA may cap it): a
-    # rebuilt or capped kernel changes every cost
+    # rebuilt or capped kernel changes every cost; so do the weights' formats (float,
+    # stored blocks, their layout and activations: the tree's structure) and dtypes
+    weights = (str(jax.tree.structure(engine.target_params)),
+               tuple(str(a.dtype) for a in jax.tree.leaves(engine.target_params)))
     ident = repr(("rounds", jax.devices()[0].device_kind, platform.machine(), jax.__version__,
-                  kernels.library_digest(), kernels.isa(), engine.prog.target, engine.prog.kv_cache,
+                  kernels.library_digest(), kernels.isa(), kernels.vnni(), weights,
+                  engine.prog.target, engine.prog.kv_cache,
                   engine.prog.sampling, drafter.with_k(1) if drafter is not None else None,
                   engine.max_new_tokens, batch, engine.k.ks, slots, width)
                  + ((tuple(shape_key(t) for t in engine.k.trees),) if engine.k.trees else ()))

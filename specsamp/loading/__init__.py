@@ -10,6 +10,11 @@ Parameters come back as jax arrays in the layout of `specsamp.models.llama.Trans
 - "stored" (the default): as the file stores them. GGUF matrices in Q4_0, Q4_1 and Q8_0 stay
   in their blocks (`specsamp.quant.QWeight`), the same model at a quarter of the bytes; other
   tensors, and Hugging Face checkpoints, are floats at `dtype`. Nothing is written to the cache.
+- "stored-a8": "stored" with 8-bit activations: products of the Q4_1/Q8_0 matrices round each
+  block of 32 inputs to bytes and sum byte products (llama.cpp's arithmetic for these
+  formats, `specsamp.quant.blocks`): a slightly different model from "stored", whose extra
+  scored rows (K + 1 tokens, a tree) cost about a third as much on a CPU without AMX.
+  Native CPU kernels only (no tensor-parallel mesh); a float checkpoint loads as with "stored".
 - "float32": everything dequantized (then held at `dtype`). A GGUF file is dequantized once and the
   float32 result kept in the cache (keyed by the file's sha256): reading it back is several
   times faster than parsing and dequantizing again.
@@ -48,7 +53,7 @@ if TYPE_CHECKING:  # JAX and Flax load only when a model does: `specsamp --help`
     from specsamp.models.llama import ModelConfig
 
 DEFAULT_MODEL = "smollm2"
-WEIGHTS = ("stored", "float32", "int8")
+WEIGHTS = ("stored", "stored-a8", "float32", "int8")
 DTYPES = ("auto", "float32", "bfloat16")
 _CACHE_FORMAT = 1  # bump when the converted layout changes, so old caches are ignored
 
@@ -102,7 +107,10 @@ def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "a
     it is converted (`Model.shard_params`' placement)."""
     start = time.perf_counter()
     name = spec or DEFAULT_MODEL
-    stored = check_weights(weights) == "stored"
+    stored = check_weights(weights) in ("stored", "stored-a8")
+    if weights == "stored-a8" and mesh is not None:
+        raise UserError("weights 'stored-a8' run on one CPU's native kernels, not on a "
+                        "tensor-parallel mesh: use --weights stored")
     check_dtype(dtype)
     if name == DEFAULT_MODEL:
         from specsamp.loading.download import ensure_smollm2
@@ -113,7 +121,8 @@ def load_model(spec: str | None = None, weights: str = "stored", dtype: str = "a
         cfg, flat, tokenizer, dtype = _load_path(name, stored, dtype, weights == "int8")
     if weights == "int8":
         flat = _int8(flat)
-    params = _to_jax_tree(flat, cfg, name, dtype, mesh)
+    params = _to_jax_tree(flat, cfg, name, dtype, mesh,
+                          "int8" if weights == "stored-a8" else "float32")
     return LoadedModel(cfg, params, tokenizer, name, time.perf_counter() - start, weights, dtype)
 
 
@@ -247,12 +256,14 @@ def _read_converted(folder):
 
 
 def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32",
-                 mesh=None) -> dict:
+                 mesh=None, activations: str = "float32") -> dict:
     """Nest {"a/b/c": array} into the Transformer's parameter tree, float arrays as jax
     arrays at `dtype`, after checking every shape against the model built from `cfg` (a
     checkpoint whose config disagrees with its weights is refused here rather than failing
     inside jit). `flat` is emptied as its arrays are placed: each host array is freed as
-    soon as its device copy exists, so the two are never both whole."""
+    soon as its device copy exists, so the two are never both whole. `activations` "int8"
+    ("stored-a8"): quantized matrices take 8-bit activations (float checkpoints stay as
+    they are, as with "stored")."""
     import jax
     import jax.numpy as jnp
 
@@ -261,7 +272,11 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32"
     from specsamp.quant.blocks import block_bits
     from specsamp.quant.kernels import default_backend
 
-    backend = default_backend() if any(isinstance(v, dict) for v in flat.values()) else "xla"
+    quantized = any(isinstance(v, dict) for v in flat.values())
+    backend = default_backend() if quantized else "xla"
+    if activations == "int8" and quantized and backend != "cpu":
+        raise UserError(f"{name}: weights 'stored-a8' need the native CPU kernels (a CPU "
+                        "backend where the package's kernels load): use --weights stored")
 
     def shape(v):
         if not isinstance(v, dict):
@@ -284,7 +299,7 @@ def _to_jax_tree(flat: dict, cfg: ModelConfig, name: str, dtype: str = "float32"
             # array, and every one would stay alive until the weights' first use.
             placed = jax.device_put(v) if v.flags.writeable else jnp.asarray(v)
             return placed.block_until_ready()
-        return to_qweight(v, v["transposed"], backend)
+        return to_qweight(v, v["transposed"], backend, activations)
 
     expected = Model(cfg).param_shapes()
     want = {"/".join(k.key for k in path): leaf.shape

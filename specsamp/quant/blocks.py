@@ -22,6 +22,12 @@ fusion: the reference, and the path on TPU/GPU) or "cpu" (the native kernels of
 group of 16 output rows and block of 32 inputs is contiguous in the order the CPU's tile
 unit (AMX) reads it (amx.h). Weights take it on the "cpu" backend where the kernels run on
 AMX (`to_qweight`); every function here reads either layout (the values do not change).
+
+`activations` is "float32" (products of the float inputs with the stored weights, exact
+but for float32's rounding) or "int8": the native kernels round each block of 32 inputs
+to bytes first and sum byte products (llama.cpp's arithmetic for these formats; a8.h says
+exactly what is computed). Such weights are in the tile layout and only the native
+kernels compute their products ("stored-a8" weights, `specsamp.loading`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class QWeight:
     transposed: bool = flax.struct.field(pytree_node=False, default=True)
     backend: str = flax.struct.field(pytree_node=False, default="xla")
     layout: str = flax.struct.field(pytree_node=False, default="gguf")  # or "tiles"
+    activations: str = flax.struct.field(pytree_node=False, default="float32")  # or "int8"
 
     @property
     def rows(self) -> int:
@@ -201,6 +208,8 @@ def matmul(x: jax.Array, w) -> jax.Array:
 
         if kernels.supports(w):
             return kernels.qmatmul(x, w)
+    if w.activations != "float32":
+        raise ValueError("8-bit activations are computed by the native CPU kernels only")
     from specsamp.reductions import row_dot
 
     w = _resolve(w)
@@ -217,7 +226,8 @@ def matmul_many(x: jax.Array, ws) -> list[jax.Array]:
 
         first = ws[0]
         if all(kernels.supports(w) and w.bits == first.bits and w.cols == first.cols
-               and w.layer is first.layer and w.layout == first.layout for w in ws):
+               and w.layer is first.layer and w.layout == first.layout
+               and w.activations == first.activations for w in ws):
             return kernels.qmatmul_many(x, ws)
     return [matmul(x, w) for w in ws]
 
@@ -259,20 +269,25 @@ def quantize_int8_rows(w: np.ndarray) -> dict:
     return {"codes": codes, "scale": scale, "min": None}
 
 
-def to_qweight(fields: dict, transposed: bool, backend: str) -> QWeight:
+def to_qweight(fields: dict, transposed: bool, backend: str, activations: str = "float32") -> QWeight:
     """A QWeight (jax arrays) from host fields {codes, scale, min} in the GGUF layout; in
-    the tile layout where the kernels run on AMX and take these fields."""
+    the tile layout where the kernels run on AMX and take these fields. `activations`
+    "int8" (native kernels only) applies where the tile layout takes the fields; other
+    matrices keep float32 activations."""
     bits, block = block_bits(fields)
     layout = "gguf"
+    if activations == "int8" and backend != "cpu":
+        raise ValueError("8-bit activations are computed by the native CPU kernels only")
+    act = "float32"
     if backend == "cpu" and tileable(fields):
         from specsamp.quant import kernels
 
-        if kernels.amx():
-            fields, layout = tile_fields(fields, bits), "tiles"
+        if kernels.amx() or activations == "int8":
+            fields, layout, act = tile_fields(fields, bits), "tiles", activations
     m = fields.get("min")
     return QWeight(jnp.asarray(fields["codes"]), jnp.asarray(fields["scale"]),
                    None if m is None else jnp.asarray(m), None, bits=bits, block=block,
-                   transposed=transposed, backend=backend, layout=layout)
+                   transposed=transposed, backend=backend, layout=layout, activations=act)
 
 
 def int8_kernel(kernel, backend: str) -> QWeight:
@@ -290,7 +305,8 @@ def take_rows(w: QWeight, ids, transposed: bool) -> QWeight:
     if layout == "tiles":
         fields = tile_fields(fields, w.bits, xp=jnp)
     return QWeight(fields["codes"], fields["scale"], fields["min"], bits=w.bits, block=w.block,
-                   transposed=transposed, backend=w.backend, layout=layout)
+                   transposed=transposed, backend=w.backend, layout=layout,
+                   activations=w.activations if layout == "tiles" else "float32")
 
 
 def block_bits(fields: dict) -> tuple[int, int]:

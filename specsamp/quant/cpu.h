@@ -25,6 +25,18 @@ inline int isa() {
   return level;
 }
 
+// Whether the AVX-512 path may use VNNI byte products (a8.h, 8-bit activations).
+inline bool vnni() {
+  static const bool on = [] {
+#if defined(__x86_64__) || defined(_M_X64)
+    return isa() == 2 && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+  }();
+  return on;
+}
+
 bool amx_available();  // qkernels.cc (amx.h): the CPU has AMX and the OS grants it
 
 // Whether weights may take the tile layout and the tile unit (amx.h): AVX-512, AMX, and

@@ -67,6 +67,7 @@ def _load() -> str | None:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _STATE["isa"] = ISA_NAMES.get(int(lib.specsamp_isa()), "?")
         _STATE["amx"] = bool(lib.specsamp_amx())
+        _STATE["vnni"] = bool(lib.specsamp_vnni())
     except (OSError, AttributeError, RuntimeError, ValueError) as e:
         return f"native quantized kernels unusable ({type(e).__name__}: {e})"
     return None
@@ -82,6 +83,12 @@ def amx() -> bool:
     """Whether the kernels run products on AMX tiles (weights then take the tile layout,
     `specsamp.quant.blocks.to_qweight`). SPECSAMP_ISA=avx512 (or lower) turns it off."""
     return isa() == "amx"
+
+
+def vnni() -> bool:
+    """Whether products with 8-bit activations ("stored-a8") run on AVX-512 VNNI (else the
+    portable loop: the same numbers, slower)."""
+    return not load() and _STATE["vnni"]
 
 
 def default_backend() -> str:
@@ -126,12 +133,13 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
     index: the kernel reads the layer in place, so XLA copies nothing."""
     lead, c = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, c).astype(jnp.float32)
-    bits, layer, layout = ws[0].bits, ws[0].layer, ws[0].layout
+    bits, layer, layout, act = ws[0].bits, ws[0].layer, ws[0].layout, ws[0].activations
     operands, outs = [], []
     for w in ws:
-        if w.bits != bits or (w.layer is None) != (layer is None) or w.layout != layout:
-            raise ValueError("one kernel call takes weights of one format and layout, "
-                             "all layer views or none")
+        if (w.bits != bits or (w.layer is None) != (layer is None) or w.layout != layout
+                or w.activations != act):
+            raise ValueError("one kernel call takes weights of one format, layout and "
+                             "activations, all layer views or none")
         if w.layer is None:
             stack = lambda a: None if a is None else a.reshape((1,) + a.shape)
             codes, scale, minimum = stack(w.codes), stack(w.scale), stack(w.min)
@@ -143,7 +151,8 @@ def qmatmul_many(x: jax.Array, ws) -> list[jax.Array]:
         outs.append(jax.ShapeDtypeStruct((x2.shape[0], w.rows), jnp.float32))
     index = jnp.int32(0) if layer is None else layer
     ys = jax.ffi.ffi_call("specsamp_qmatmul", outs)(index, x2, *operands, bits=np.int32(bits),
-                                                    tiles=np.int32(layout == "tiles"))
+                                                    tiles=np.int32(layout == "tiles"),
+                                                    act8=np.int32(act == "int8"))
     return [y.reshape(*lead, w.rows) for y, w in zip(ys, ws)]
 
 

@@ -37,6 +37,7 @@
 #define SPECSAMP_X86 1
 #endif
 #include "amx.h"
+#include "a8.h"
 
 namespace ffi = xla::ffi;
 
@@ -52,6 +53,7 @@ struct Problem {
   bool scale_f32;
   bool tiles;            // codes, scale, min in the tile layout (amx.h), for the AMX path
   bool pairs = false;    // tiles: x's rows went to the tile unit as pairs, not limbs (amx.h)
+  const specsamp::a8::Rows* a8 = nullptr;  // tiles: x's rows as bytes, 8-bit activations (a8.h)
 #ifdef SPECSAMP_AMX
   const specsamp::amx::Limbs* limbs = nullptr;  // tiles: x's rows as limbs (amx.h)
 #endif
@@ -348,6 +350,20 @@ SPECSAMP_DISPATCH(q8_avx512, 12)
 SPECSAMP_DISPATCH(q4_avx2, 8)
 SPECSAMP_DISPATCH(q8_avx2, 8)
 
+// 8-bit activations (a8.h), weights in the tile layout: 8 rows a pass.
+template <int NR>
+void a8_q4(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+  specsamp::a8::product<NR, true>(p.codes, static_cast<const uint16_t*>(p.scale), p.min, p.cols,
+                                  p.n, *p.a8, p.y, n0, n1, r0);
+}
+template <int NR>
+void a8_q8(const Problem& p, int64_t n0, int64_t n1, int64_t r0) {
+  specsamp::a8::product<NR, false>(p.codes, static_cast<const uint16_t*>(p.scale), p.min, p.cols,
+                                   p.n, *p.a8, p.y, n0, n1, r0);
+}
+SPECSAMP_DISPATCH(a8_q4, 8)
+SPECSAMP_DISPATCH(a8_q8, 8)
+
 #ifdef SPECSAMP_AMX
 // Weights in the tile layout (amx.h): outputs n0..n1 are whole groups of 16, x's rows in
 // two tiles a pass (10 rows as limbs, 16 as pairs), prepared once per call in p.limbs.
@@ -402,6 +418,11 @@ void q4_gemm(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
 
 using Kernel = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
+void a8_portable(const Problem& p, int64_t n0, int64_t n1, int64_t r0, int64_t nr) {
+  specsamp::a8::product_portable(p.min != nullptr, p.codes, static_cast<const uint16_t*>(p.scale),
+                                 p.min, p.cols, p.n, *p.a8, p.y, n0, n1, r0, nr);
+}
+
 using Gemm = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
 struct Choice {
@@ -411,7 +432,14 @@ struct Choice {
   int64_t row_block = 60;  // rows of an item: whole passes that start where x's tiles do
 };
 
-Choice pick(bool q4, bool tiles, bool pairs, int64_t block, int64_t cols, int64_t n, int64_t rows) {
+Choice pick(bool q4, bool tiles, bool pairs, bool a8, int64_t block, int64_t cols, int64_t n,
+            int64_t rows) {
+  if (a8) {  // 8-bit activations: VNNI where the CPU has it, else the portable loop
+#ifdef SPECSAMP_X86
+    if (specsamp::vnni()) return {q4 ? a8_q4_rows : a8_q8_rows, 8, nullptr, 64};
+#endif
+    return {a8_portable, kMaxRows, nullptr, 64};
+  }
 #ifdef SPECSAMP_AMX
   using specsamp::amx::Scheme;
   if (tiles && pairs)
@@ -478,7 +506,8 @@ void run(const std::vector<Problem>& problems, ffi::ThreadPool& pool) {
   std::vector<std::pair<int64_t, Choice>> firsts;  // (first chunk, kernel) per matrix
   int64_t chunks = 0;
   for (const Problem& p : problems) {
-    firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.pairs, p.block, p.cols, p.n, p.rows));
+    firsts.emplace_back(chunks, pick(p.min != nullptr, p.tiles, p.pairs, p.a8 != nullptr, p.block,
+                                     p.cols, p.n, p.rows));
     chunks += (p.n + chunk - 1) / chunk;
   }
   // whole passes of 12, 10, 6, 5, 4, 3, 2 or 1 rows (tiles: passes of 10 that start at
@@ -509,7 +538,7 @@ int64_t layer_offset(ffi::Buffer<ffi::S32> layer, int64_t stack, int64_t bytes) 
 
 // One matrix of a call: its operands from `args` at `at` (q4: codes, scale, min; q8:
 // codes, scale), its output `ret`.
-ffi::Error problem(int bits, bool tiles, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+ffi::Error problem(int bits, bool tiles, bool a8, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                    const ffi::RemainingArgs& args, size_t at, ffi::Result<ffi::AnyBuffer> ret,
                    Problem* p) {
   auto codes_or = args.get<ffi::AnyBuffer>(at), scale_or = args.get<ffi::AnyBuffer>(at + 1),
@@ -540,10 +569,12 @@ ffi::Error problem(int bits, bool tiles, ffi::Buffer<ffi::S32> layer, ffi::Buffe
   if (ret->element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != xd[0] ||
       yd[1] != cd[1])
     return ffi::Error::InvalidArgument("quantized matmul: expected y float32 [R, N]");
-  if (tiles && !(specsamp::amx_enabled() && cd[1] % 16 == 0 && xd[1] / sd[2] == 32 && !f32))
+  if (tiles && !((a8 || specsamp::amx_enabled()) && cd[1] % 16 == 0 && xd[1] / sd[2] == 32 && !f32))
     return ffi::Error::InvalidArgument(
-        "quantized matmul: the tile layout needs AMX, 16 outputs a group, blocks of 32 and "
-        "float16 scales");
+        "quantized matmul: the tile layout needs AMX or 8-bit activations, 16 outputs a group, "
+        "blocks of 32 and float16 scales");
+  if (a8 && !tiles)
+    return ffi::Error::InvalidArgument("quantized matmul: 8-bit activations need the tile layout");
   const int64_t n = cd[1], nb = sd[2], i = layer_offset(layer, cd[0], 1);
   if (i < 0) return ffi::Error::InvalidArgument("quantized matmul: layer index out of range");
   *p = Problem{x.typed_data(),
@@ -554,11 +585,30 @@ ffi::Error problem(int bits, bool tiles, ffi::Buffer<ffi::S32> layer, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// x's rows as bytes for 8-bit activations (a8.h), the rows split between the threads. The
+// buffers are the calling thread's, reused by its next calls.
+specsamp::a8::Rows prepare_bytes(const Problem& first, ffi::ThreadPool& pool) {
+  const int64_t rows = first.rows, cols = first.cols, nb = cols / 32;
+  thread_local std::vector<int8_t> x;
+  thread_local std::vector<uint8_t> u;
+  thread_local std::vector<float> dx, sums;
+  x.resize(rows * cols), u.resize(rows * cols), dx.resize(rows * nb), sums.resize(rows * nb);
+  // (pointers, not the names: a helper thread's vectors would be its own thread_local)
+  int8_t* const xs = x.data();
+  uint8_t* const us = u.data();
+  float *const d = dx.data(), *const s = sums.data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    specsamp::a8::prepare_row(first.x + r * cols, cols, xs + r * cols, us + r * cols, d + r * nb,
+                              s + r * nb);
+  });
+  return {xs, us, d, s};
+}
+
 // y_m = x @ W_m.T for each matrix m of the call (all read at layer `layer` of their stacks):
 // several products of one input (q, k, v; gate, up) in one call, one split of the work.
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                       ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t bits,
-                      int32_t tiles) {
+                      int32_t tiles, int32_t act8) {
   const size_t per = bits == 4 ? 3 : bits == 8 ? 2 : 0;
   if (per == 0 || args.size() != per * rets.size() || rets.size() == 0)
     return ffi::Error::InvalidArgument(
@@ -567,9 +617,17 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   for (size_t m = 0; m < rets.size(); ++m) {
     auto ret = rets.get<ffi::AnyBuffer>(m);
     if (ret.has_error()) return ret.error();
-    if (auto e = problem(bits, tiles != 0, layer, x, args, m * per, ret.value(), &problems[m]);
+    if (auto e = problem(bits, tiles != 0, act8 != 0, layer, x, args, m * per, ret.value(), &problems[m]);
         e.failure())
       return e;
+  }
+  // 8-bit activations: x's rows as bytes, once for all of the call's matrices.
+  specsamp::a8::Rows bytes{};
+  if (act8) {
+    bytes = prepare_bytes(problems.front(), pool);
+    for (Problem& p : problems) p.a8 = &bytes;
+    run(problems, pool);
+    return ffi::Error::Success();
   }
 #ifdef SPECSAMP_AMX
   // Weights in the tile layout (all of a call's or none): x's rows as limbs, once for all
@@ -668,10 +726,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampQMatmul, MatmulImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("bits")
-                                  .Attr<int32_t>("tiles"));
+                                  .Attr<int32_t>("tiles")
+                                  .Attr<int32_t>("act8"));
 
 extern "C" int specsamp_isa() { return specsamp::isa(); }
 extern "C" int specsamp_amx() { return specsamp::amx_enabled() ? 1 : 0; }
+extern "C" int specsamp_vnni() { return specsamp::vnni() ? 1 : 0; }
 
 bool specsamp::amx_available() {
 #ifdef SPECSAMP_AMX
