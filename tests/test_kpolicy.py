@@ -363,3 +363,32 @@ def test_the_margin_fades_as_both_costs_are_timed():
         both.observe(shape, seconds * 512, 512, slots=1)
     assert [ks[p(row, tested)] for p in (untimed, one, both)] == [0, 0, 1]
     assert both._margin(1) == pytest.approx(0.05 * 16 / (16 + 512))
+
+
+def test_plain_rounds_overpriced_by_the_curve_run_once_and_win():
+    """A curve measured in a bad minute priced plain rounds at twice their cost and K = 1
+    at 1.4x plain's curve figure (a batch-32 run on 8-bit activations: K = 1 really
+    costs 2x a plain round and ran at 0.8x of plain for the whole run). Plain rounds were
+    never chosen, so never timed, and the drift of K = 1's timed rounds moves plain's
+    figure only as far as K = 1's. Every `reexplore`-th drafted-chain choice runs plain
+    rounds while none was timed (where predicted within `reexplore_within`); once timed
+    they win. Catches a policy that keeps the
+    losing K for good, and one that re-runs plain rounds after they were timed."""
+    true = {0: 0.048, 1: 0.096}
+    policy = KPolicy(CostCurve(32, {0: 0.096, 1: 0.132, 2: 0.23, 4: 0.36}), KS)
+    rows, tested = np.full(32, 50.0), np.full(32, 100.0)  # 1.5 tokens a K = 1 round
+    got = []
+    for _ in range(30):
+        k = KS[policy(rows, tested)]
+        got.append(k)
+        policy.observe(k, true.get(k, 0.2) * 16, 16, slots=32)
+    assert got[0] == 1 and 0 in got[:10]
+    assert got[-10:].count(0) >= 8
+    settled = KPolicy(CostCurve(32, {0: 0.048, 1: 0.132, 2: 0.23, 4: 0.36}), KS)
+    settled.observe(0, 0.048 * 16, 16, slots=32)
+    settled._choice = lambda *args: (KS.index(1), [1.0, 1.05, 0.5, 0.4])
+    assert [KS[settled(rows, tested)] for _ in range(20)] == [1] * 20
+    far = KPolicy(CostCurve(32, {0: 0.096, 1: 0.132, 2: 0.23, 4: 0.36}), KS)
+    far._choice = lambda *args: (KS.index(1), [1.0, 1.2, 0.5, 0.4])  # 17% below: reexplored
+    got = [KS[far(rows, tested)] for _ in range(20)]
+    assert got.count(0) == 2 and got[:2] == [1, 1]

@@ -43,9 +43,10 @@ the curve alone. One chunk is not enough to correct them, nor its deeper positio
 rates, and a chain predicted below the choice is never run again, so the estimates that
 keep it out would never move: every `reexplore` drafted-chain choices, one chunk
 runs at the other drafted chain (the least run so far) predicted within `reexplore_within`
-of the choice (`KPolicy._reexplored`). The curve times rounds in which a lookup drafter
-finds no match, the dearer kind, which overprices long chains most; a chunk's timed
-rounds correct that only for the K values that run.
+of the choice (`KPolicy._reexplored`), or at plain rounds if the run has not timed any
+(a curve that overprices them would otherwise keep a losing K for good). The curve times
+rounds in which a lookup drafter finds no match, the dearer kind, which overprices long
+chains most; a chunk's timed rounds correct that only for the K values that run.
 
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
@@ -287,13 +288,18 @@ class KPolicy:
 
     def _reexplored(self, best: int, speeds: list[float]) -> int:
         """`best`, or, at every `reexplore`-th drafted-chain choice, the other
-        drafted chain predicted within `reexplore_within` of it that ran fewest chunks."""
+        drafted chain predicted within `reexplore_within` of it that ran fewest chunks
+        (plain rounds among them until a chunk of them was timed)."""
         if best >= len(self.ks) or best not in self.explored:  # a tree, or a first run
             return best
         self.chain_run += 1
         if self.chain_run < self.reexplore:
             return best
-        others = [i for i, k in enumerate(self.ks) if k != 0 and i != best
+        # plain rounds too while none was timed: a curve that overprices them (it priced
+        # plain rounds at 2x their cost, K = 1 at 1.4x, in a run at batch 32 where K = 1
+        # ran at 0.8x of plain) is corrected only by running them
+        others = [i for i, k in enumerate(self.ks) if i != best
+                  and (k != 0 or self._timed(0)[1] == 0)
                   and speeds[i] >= (1 - self.reexplore_within) * speeds[best]]
         if not others:
             return best
