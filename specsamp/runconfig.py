@@ -346,6 +346,9 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
 
     if cfg.weights not in WEIGHTS:
         fail(f"'weights' must be one of {', '.join(WEIGHTS)}, got {cfg.weights!r}")
+    if cfg.weights == "stored-a8" and cfg.tensor_parallel > 1:
+        fail("'weights: stored-a8' runs on one CPU's native kernels, not split over devices: "
+             "use weights: stored with tensor_parallel")
     from specsamp.decoding.config import KV_CACHES
 
     if cfg.kv_cache not in KV_CACHES:

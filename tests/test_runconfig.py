@@ -65,6 +65,7 @@ def test_readme_config_is_small_and_runs_both_modes():
     ({"workers": {"model_copies": 0}}, "model_copies"),
     ({"workers": {"gpus": 1}}, "workers"),
     ({"weights": "fp8"}, "weights"),
+    ({"weights": "stored-a8", "tensor_parallel": 2}, "stored-a8"),
     ({"kv_cache": "int8"}, "kv_cache"),
     ({"dtype": "float16"}, "dtype"),
 ])
