@@ -626,14 +626,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   if (act8) {
     bytes = prepare_bytes(problems.front(), pool);
     for (Problem& p : problems) p.a8 = &bytes;
-    run(problems, pool);
-    return ffi::Error::Success();
   }
 #ifdef SPECSAMP_AMX
-  // Weights in the tile layout (all of a call's or none): x's rows as limbs, once for all
-  // of the call's matrices.
+  // Weights in the tile layout (all of a call's or none), float activations: x's rows as
+  // limbs, once for all of the call's matrices.
   specsamp::amx::Limbs limbs{};
-  if (tiles) {
+  if (tiles && !act8) {
     const Problem& first = problems.front();
     const bool pairs = specsamp::amx::pairs_for(bits == 4, first.rows);  // x prepared once, one way
     limbs = pairs ? prepare_limbs<true>(first, pool) : prepare_limbs<false>(first, pool);
