@@ -45,7 +45,7 @@ KERNELS = Extension(
     "specsamp.quant._qkernels",
     sources=["specsamp/quant/qkernels.cc", "specsamp/quant/attention.cc", "specsamp/quant/reduce.cc"],
     depends=["specsamp/quant/cpu.h", "specsamp/quant/half.h", "specsamp/quant/parallel.h",
-             "specsamp/quant/q4gemm.h", "specsamp/quant/amx.h"],
+             "specsamp/quant/q4gemm.h", "specsamp/quant/amx.h", "specsamp/quant/a8.h"],
     language="c++",
     # Vector code is selected per function at run time (AVX-512 / AVX2 / portable), so
     # no -march flag: the library runs on any x86-64 (and builds elsewhere, portable).

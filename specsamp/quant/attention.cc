@@ -279,8 +279,8 @@ __attribute__((always_inline)) inline float softmax_in_place(float* scores, int6
   return 1.f / tree_sum(part);
 }
 
-// Queries of one row b, query heads h0..h0+G-1 (G <= kMaxGroup) sharing one KV head: T
-// tokens. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]; kb, vb
+// Queries of one row b, query heads h0..h0+G-1 (G <= kMaxGroup) sharing one KV head:
+// tokens t0..t1-1. kc, vc: the KV head's [S, E] blocks; scores is scratch [G, S + 16]; kb, vb
 // scratch [P, E] for a tree's paths (s.paths; unused without). The heads
 // go through the keys together, block of 16 slots by block (a block is read from memory
 // for the first head and from the core's nearest cache for the others), and through the
@@ -288,12 +288,12 @@ __attribute__((always_inline)) inline float softmax_in_place(float* scores, int6
 // Each head's numbers are those it gets alone (G = 1), in the same order.
 template <typename KV>
 SPECSAMP_CLONES
-void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float* q,
-                  const int32_t* pos, const KV* kc, const KV* vc, float* out, float* scores,
-                  KV* kb, KV* vb, const Fast<KV>& fast) {
+void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, int64_t t0, int64_t t1,
+                  const float* q, const int32_t* pos, const KV* kc, const KV* vc, float* out,
+                  float* scores, KV* kb, KV* vb, const Fast<KV>& fast) {
   const int64_t E = s.dim, stride = s.slots + 16;
   const int64_t start = s.paths ? std::max<int32_t>(pos[b * s.tokens], 0) : 0;
-  for (int64_t t = 0; t < s.tokens; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t p = std::max<int32_t>(pos[b * s.tokens + t], 0);
     int64_t last = std::min<int64_t>(p, s.slots - 1);
     if (s.paths) last = std::min(last, start + s.path_len - 1);  // a path holds P slots
@@ -315,7 +315,7 @@ void attend_heads(const Shape& s, int64_t b, int64_t h0, int64_t G, const float*
     const float* qv = q + ((b * s.tokens + t) * s.heads + h0) * E;  // G heads' queries
     // The next token's queries (one row of a strided [B, T, H, E]: too far apart for the
     // hardware to fetch ahead; waiting for it was a quarter of a prefill's attention).
-    if (t + 1 < s.tokens)
+    if (t + 1 < t1)
       for (int64_t e = 0; e < G * E; e += 16) __builtin_prefetch(qv + s.heads * E + e);
     alignas(64) float qs[kMaxGroup][256];
     for (int64_t g = 0; g < G; ++g)
@@ -402,9 +402,8 @@ void write_cache(const Shape& s, const float* fresh, const int32_t* pos, KV* cac
     }
 }
 
-// (row, KV head) items from this many on (see AttendImpl): with fewer, items per (row,
-// query head) split more evenly between cores (docs/measurements.md, native kernels).
-constexpr int64_t kGroupedItems = 6;
+// Rows x KV heads below which a call's tokens are split into items of their own.
+constexpr int64_t kTokenItemsBelow = 6;
 
 // Writes this call's keys/values into caches of element KV (the aliased outputs) and
 // attends.
@@ -413,28 +412,32 @@ void attend_all(ffi::ThreadPool& pool, const Shape& s, const float* queries, con
                 const float* v, const int32_t* pos, KV* kc, KV* vc, float* o) {
   write_cache(s, k, pos, kc);
   write_cache(s, v, pos, vc);
-  // Work items, split between the caller and the pool (parallel.h). With few rows, one
-  // item per (row, query head): one row's 9 heads keep two cores busy where its 3 KV heads
-  // did not. With more, one item per (row, KV head) running the heads that share it
-  // together (attend_heads): their keys and values come from memory once (items per query
-  // head had two cores fetch the same keys at once). Each head's arithmetic is the same
-  // either way.
+  // Work items, split between the caller and the pool (parallel.h): one per (row, KV head),
+  // running the query heads that share the KV head together (attend_heads), so their keys
+  // and values are read once, not once per head. With few rows, one per (row, KV head,
+  // token): a round scoring K + 1 tokens or a tree at batch 1 then has items for both
+  // cores. (Items per (row, query head), which kept two cores busy on one row's 3 KV
+  // heads, cost a fifth more at one token and up to a third more at several: each head
+  // read its keys and values again; docs/measurements.md.) Each head's arithmetic is the
+  // same whatever the items.
   const Fast<KV> fast = pick_fast<KV>(s.dim);
-  const int64_t g_per = s.heads / s.kv_heads;
-  const int64_t group = s.batch * s.kv_heads >= kGroupedItems ? g_per : 1;
+  const int64_t g_per = s.heads / s.kv_heads, kv_items = s.batch * s.kv_heads;
+  const int64_t per_token = kv_items < kTokenItemsBelow ? s.tokens : 1;
   // Heads per attend_heads call: as many of the item's as the vector pass over the values
   // takes (the portable loops go through the keys together and the values head by head).
   const int64_t pass = fast.weighted[0] ? fast.group : kMaxGroup;
-  specsamp::parallel_for(pool, s.batch * s.heads / group, [&](int64_t i) {
+  specsamp::parallel_for(pool, kv_items * per_token, [&](int64_t item) {
+    const int64_t bj = item / per_token, b = bj / s.kv_heads, j = bj % s.kv_heads;
+    const int64_t t0 = per_token > 1 ? item % per_token : 0;
+    const int64_t t1 = per_token > 1 ? t0 + 1 : s.tokens;
     thread_local std::vector<float> scores;  // scratch [kMaxGroup, S + 16] per thread
     thread_local std::vector<KV> kb, vb;      // a tree's gathered path [P, E] per thread
     scores.resize(kMaxGroup * (s.slots + 16));
     if (s.paths) kb.resize(s.path_len * s.dim), vb.resize(s.path_len * s.dim);
-    const int64_t b = i * group / s.heads, h0 = i * group % s.heads;
-    const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + h0 / g_per) * s.slots * s.dim;
-    for (int64_t h = h0; h < h0 + group; h += pass)
-      attend_heads(s, b, h, std::min(pass, h0 + group - h), queries, pos, kc + at, vc + at, o,
-                   scores.data(), kb.data(), vb.data(), fast);
+    const int64_t at = ((s.layer * s.batch + b) * s.kv_heads + j) * s.slots * s.dim;
+    for (int64_t h = j * g_per; h < (j + 1) * g_per; h += pass)
+      attend_heads(s, b, h, std::min(pass, (j + 1) * g_per - h), t0, t1, queries, pos, kc + at,
+                   vc + at, o, scores.data(), kb.data(), vb.data(), fast);
   });
 }
 
