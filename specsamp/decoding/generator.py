@@ -38,9 +38,10 @@ class GeneratorSpec:
     target's first L layers), a path to a draft model sharing the target's vocabulary or to
     a feature draft (or a shipped draft's name, `specsamp.decoding.drafts`), 'ngram+<feature draft>'
     (lookup where it matches, the draft elsewhere), or 'auto' (`drafts.default_draft`).
-    weights: 'stored' (the file's own quantized blocks), 'float32' or 'int8' (see
-    `specsamp.loading`), for the target and a separate draft model alike. dtype: the float
-    weights' and activations' type, 'float32', 'bfloat16' or 'auto' (`specsamp.loading.
+    weights: 'stored' (the file's own quantized blocks), 'stored-a8' (the same blocks with
+    8-bit activations, native kernels only), 'float32' or 'int8' (see `specsamp.loading`),
+    for the target and a separate draft model alike. dtype: the float weights' and
+    activations' type, 'float32', 'bfloat16' or 'auto' (`specsamp.loading.
     DTYPES`: float32 on a CPU); a draft model runs at the target's. kv_cache: what the
     target's KV cache holds, 'auto' (the run's dtype), 'float32', 'float16' (half the
     memory, faster attention at large batches; keys and values rounded to half, a slightly
