@@ -52,7 +52,9 @@ struct Rows {
   const float* sum;
 };
 
-inline void prepare_row(const float* x, int64_t cols, int8_t* q, uint8_t* u, float* dx, float* sum) {
+// One row's blocks (prepare_row picks the vector version where the CPU has AVX-512).
+inline void prepare_row_portable(const float* x, int64_t cols, int8_t* q, uint8_t* u, float* dx,
+                                 float* sum) {
   for (int64_t b = 0; b < cols / 32; ++b) {
     const float* xb = x + 32 * b;
     float a = 0.f;
@@ -75,6 +77,56 @@ inline void prepare_row(const float* x, int64_t cols, int8_t* q, uint8_t* u, flo
     dx[b] = finite ? a / 127.f : std::numeric_limits<float>::quiet_NaN();
     sum[b] = static_cast<float>(s);
   }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// prepare_row_portable's numbers, 32 inputs in two vectors: the same largest magnitude
+// (a maximum is exact in any order), the same products x_i * (127 / a) rounded to nearest
+// even, the same clamp and exact integer sum. The scalar loop, compiled for plain x86-64,
+// called the C library's nearbyint for every input: a tenth of a 3-row call's time.
+__attribute__((target("avx512f")))
+inline void prepare_row_avx512(const float* x, int64_t cols, int8_t* q, uint8_t* u, float* dx,
+                               float* sum) {
+  const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
+  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const float* xb = x + 32 * b;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+    // finite: every |x| <= the largest float (false for inf and NaN)
+    const bool finite = (_mm512_cmp_ps_mask(a0, largest, _CMP_LE_OQ) &
+                         _mm512_cmp_ps_mask(a1, largest, _CMP_LE_OQ)) == 0xffff;
+    float a = 0.f;
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    if (finite) {
+      a = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      constexpr int kEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, inv), kEven);
+      const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, inv), kEven);
+      i0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
+      i1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
+    }
+    const __m128i b0 = _mm512_cvtepi32_epi8(i0), b1 = _mm512_cvtepi32_epi8(i1);
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));  // v + 128 as a byte
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), b0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), b1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_xor_si128(b0, flip));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_xor_si128(b1, flip));
+    dx[b] = finite ? a / 127.f : std::numeric_limits<float>::quiet_NaN();
+    sum[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+  }
+}
+#endif
+
+// x's row of `cols` inputs (a multiple of 32) as bytes: q (X), u (X + 128), dx and float(S)
+// per block; `vector`: the CPU runs AVX-512 (specsamp::isa() == 2).
+inline void prepare_row(bool vector, const float* x, int64_t cols, int8_t* q, uint8_t* u,
+                        float* dx, float* sum) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (vector) return prepare_row_avx512(x, cols, q, u, dx, sum);
+#endif
+  prepare_row_portable(x, cols, q, u, dx, sum);
 }
 
 // Where output n's code for input c of block b sits in the tile layout: byte offset within

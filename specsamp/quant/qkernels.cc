@@ -597,9 +597,10 @@ specsamp::a8::Rows prepare_bytes(const Problem& first, ffi::ThreadPool& pool) {
   int8_t* const xs = x.data();
   uint8_t* const us = u.data();
   float *const d = dx.data(), *const s = sums.data();
+  const bool vector = specsamp::isa() == 2;
   specsamp::parallel_for(pool, rows, [&](int64_t r) {
-    specsamp::a8::prepare_row(first.x + r * cols, cols, xs + r * cols, us + r * cols, d + r * nb,
-                              s + r * nb);
+    specsamp::a8::prepare_row(vector, first.x + r * cols, cols, xs + r * cols, us + r * cols,
+                              d + r * nb, s + r * nb);
   });
   return {xs, us, d, s};
 }
