@@ -86,6 +86,10 @@ def test_candidates_and_their_text():
         [(1,), (2,), (1, 1), (1, 2), (1, 1, 1), (1, 1, 2), (1, 1, 1, 1), (1, 1, 1, 2)])
     assert np.all(np.diff(dyn.candidates.depth) >= 0)
     assert DynamicTree.of(8).candidates.size == 18 and DynamicTree.of(8).max_depth == 6
+    # past 8 nodes the chain grows with N (three quarters of it, at most 12 deep)
+    assert [DynamicTree.of(n).max_depth for n in (9, 12, 16, 32)] == [6, 9, 12, 12]
+    assert DynamicTree.of(12).candidates.size == 27 and DynamicTree.of(32).span == 36
+    assert DynamicTree.of(12).spine.size == 9
     assert parse_tree("4") == parse_tree("dyn4") == parse_tree(4) == dyn
     assert tree_text(dyn) == "dyn4" and parse_tree(tree_text(dyn)) == dyn
     for bad in ("0", "33", "dyn", "dynx"):

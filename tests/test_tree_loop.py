@@ -56,6 +56,7 @@ GREEDY_CASES = [  # (draft, tree, native): a chain, a width-3 root, a full binar
     ("tiny-feature-reduced", DynamicTree.of(6), None),
     ("tiny-draft", DynamicTree.of(4), False),
     ("ngram+tiny-feature", DynamicTree.of(4), None),
+    ("tiny-feature-reduced", DynamicTree.of(12), None),  # a 9-deep spine (`spine_length`)
 ]
 
 

@@ -198,15 +198,25 @@ class DynamicTree:
 
     @classmethod
     def of(cls, nodes: int) -> "DynamicTree":
-        """N nodes out of the default candidates: the draft's chain of min(N, 6) tokens
-        and, beside each of its tokens, the draft's runners-up there (its second choice,
-        up to its third for N >= 6) as leaves. A row's tree is then its chain cut where
-        the draft's path probability falls below that of a runner-up, and the runners-up
-        where the draft hesitates most. Leaves need no draft head, so drafting costs
-        about what the chain's does (`tree_draft.draft_tree`)."""
-        depth, width = min(nodes, 6), 2 if nodes < 6 else 3
+        """N nodes out of the default candidates: the draft's chain of `spine_length(N)`
+        tokens and, beside each of its tokens, the draft's runners-up there (its second
+        choice, up to its third for N >= 6) as leaves. A row's tree is then its chain cut
+        where the draft's path probability falls below that of a runner-up, and the
+        runners-up where the draft hesitates most. Leaves need no draft head, so drafting
+        costs about what the chain's does (`tree_draft.draft_tree`)."""
+        depth, width = cls.spine_length(nodes), 2 if nodes < 6 else 3
         paths = [(1,) * (d - 1) + (r,) for d in range(1, depth + 1) for r in range(1, width + 1)]
         return cls(nodes, Tree.from_paths(paths))
+
+    @staticmethod
+    def spine_length(nodes: int) -> int:
+        """The candidates' chain: N up to 6 nodes, 6 up to 8, then three quarters of N,
+        at most 12 (each is a draft call a round). Past 8 nodes the 6-deep candidates ran
+        out of nodes worth scoring (greedy, embedded model, stored-a8, HumanEval: dyn8,
+        dyn12 and dyn16 kept 2.69, 2.72 and 2.72 tokens a call); a 9-deep spine lifted dyn12
+        to 2.83 at the same ms/token, a 12-deep one to 2.87 at a tenth more
+        (docs/measurements.md)."""
+        return min(nodes, 6) if nodes <= 8 else min(nodes * 3 // 4, 12)
 
     @property
     def size(self) -> int:
