@@ -54,11 +54,12 @@ def feature_draft():
 
 @functools.cache
 def feature_draft_reduced():
-    """The same draft with a reduced head over 5 of the 8 tokens."""
+    """The same draft with a reduced head over 5 of the 8 tokens, padded as decoding loads
+    one (to 16 rows, the last id repeated: `reduced_head(pad=True)`)."""
     from specsamp.models.feature_draft import reduced_head
 
     cfg, params = feature_draft()
-    return cfg, {**params, **reduced_head(TARGET, target_params(), [0, 2, 3, 5, 6])}
+    return cfg, {**params, **reduced_head(TARGET, target_params(), [0, 2, 3, 5, 6], pad=True)}
 
 
 # Drafts by name for `specsamp.decoding.factory.build_drafter`, so that tests build their
