@@ -233,7 +233,7 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
     by one at a block edge or past the last positive entry. (Under vmap too: the
     kernels' rows are the batch's.)"""
     _kernels_or_skip()
-    from specsamp.decoding.sampling import draw, row_sum, softmax
+    from specsamp.decoding.sampling import draw, residual_draw, row_sum, softmax
 
     rng = np.random.default_rng(n)
     x = (rng.standard_normal((2, 3, n)) * np.array([1e-3, 1.0, 1e4])[:, None]).astype(np.float32)
@@ -274,6 +274,18 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
         if u == 0.5:  # the first running mass above t = 0.5, not the one equal to it
             assert native[3] == 12, native
         assert (np.asarray(p)[np.arange(6), native] > 0).all()
+
+    # The residual's draw in one kernel (`residual_draw`): q against draft rows p with mass
+    # where q has none, a point mass, p == q (a residual of 0: q is drawn), zeros (the bonus)
+    q = p[jnp.asarray([4, 5, 0, 3, 4, 1])]
+    d = jnp.stack([p[5], jax.nn.one_hot(n // 2, n), p[0], jnp.zeros(n), p[1], p[2]])
+    for u in (0.0, below_one, *rng.random(4).astype(np.float32)):
+        us = jnp.full((6,), u, jnp.float32)
+        xla, native = _on_both_paths(monkeypatch, jax.vmap(residual_draw), q, d, us)
+        np.testing.assert_array_equal(xla, native)
+        assert "specsamp_residual_sample" in jax.jit(jax.vmap(residual_draw)).lower(q, d, us).as_text()
+        assert native[2] == int(jax.jit(draw)(q[2], us[2]))  # p == q: drawn from q
+        assert np.asarray(q)[np.arange(6), native].min() > 0
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)])

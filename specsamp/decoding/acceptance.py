@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specsamp.decoding.sampling import residual, sample
+from specsamp.decoding.sampling import residual_draw
 
 
 def accept(
@@ -34,10 +34,11 @@ def accept(
     # r < q/p written without the division; p(x~) > 0 since x~ was drawn from p.
     kept = r * p_draft < q_draft
     n = jnp.sum(jnp.cumprod(kept.astype(jnp.int32)))
-    # Row n of p padded with zeros: at n == K the "residual" is q_{K+1} itself (the bonus).
-    p_pad = jnp.concatenate([p, jnp.zeros_like(p[:1])], axis=0)
-    dist = residual(q[n], p_pad[n])
-    return n.astype(jnp.int32), sample(key_x, dist)
+    # Row n of p, zeros at n == K: there the "residual" is q_{K+1} itself (the bonus). The
+    # draw is sample()'s: one uniform from key_x.
+    p_n = jnp.where(n < k, p[jnp.minimum(n, k - 1)], 0.0)
+    u = jax.random.uniform(key_x, (), jnp.float32)
+    return n.astype(jnp.int32), residual_draw(q[n], p_n, u)
 
 
 accept_batch = jax.vmap(accept)

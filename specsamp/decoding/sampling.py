@@ -193,6 +193,15 @@ def _first_above(running: jax.Array, t: jax.Array, positive: jax.Array) -> jax.A
     return jnp.where(idx >= n, last, idx)
 
 
+def residual_draw(q: jax.Array, p: jax.Array, u: jax.Array) -> jax.Array:
+    """draw(residual(q, p), u) for rows q, p [V]: on the native kernels for a long float32
+    row, in one kernel (`specsamp.quant.kernels.residual_sample`, the same bits) instead of
+    the residual's passes over the row in XLA and then the draw."""
+    if q.dtype == jnp.float32 and native_rows(q.shape[-1]):
+        return kernels.residual_sample(q, p, u)
+    return draw(residual(q, p), u)
+
+
 def residual(q: jax.Array, p: jax.Array) -> jax.Array:
     """(q - p)+ normalised. Where it is all zero (q == p up to rounding: rejection then has
     probability ~0), fall back to q so the draw stays well defined."""

@@ -24,7 +24,8 @@ _LOCK = threading.Lock()
 _STATE: dict = {}
 _TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend",
             "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax",
-            "specsamp_tree_sum": "SpecsampTreeSum", "specsamp_sample": "SpecsampSample"}
+            "specsamp_tree_sum": "SpecsampTreeSum", "specsamp_sample": "SpecsampSample",
+            "specsamp_residual_sample": "SpecsampResidualSample"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -184,6 +185,13 @@ def sample(probs: jax.Array, u: jax.Array) -> jax.Array:
     """probs [..., V], u [...] uniform in [0, 1) -> [...] int32: the draw of
     `specsamp.decoding.sampling._sample_row` with that u, bit for bit."""
     return _by_row("specsamp_sample", probs, jnp.int32, u.astype(jnp.float32))
+
+
+def residual_sample(q: jax.Array, p: jax.Array, u: jax.Array) -> jax.Array:
+    """q, p [..., V], u [...] -> [...] int32: `specsamp.decoding.sampling.draw` of
+    `sampling.residual(q, p)` with that u, bit for bit, in one kernel."""
+    return _by_row("specsamp_residual_sample", q, jnp.int32, p.astype(jnp.float32),
+                   u.astype(jnp.float32))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,

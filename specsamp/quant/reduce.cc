@@ -7,6 +7,10 @@
 //                       row's uniform number u, block sums of 256 entries (tree sums), their
 //                       running sum (reductions.cumsum's Hillis-Steele order), the block, then
 //                       the entry within it
+//   specsamp_residual_sample  sampling.draw(sampling.residual(q, p), u): the residual
+//                       (q - p)+ over its tree sum (q itself where that sum is not positive),
+//                       drawn from as specsamp_sample draws, without the residual's row
+//                       leaving the kernel
 // The same float32 operations in the same order give the same bits, so whether a program
 // runs these kernels or the XLA operations never changes a probability or a draw; the
 // kernels only cost less. XLA:CPU runs a tree sum over a vocabulary as a padded copy and a
@@ -72,7 +76,7 @@ int64_t first_above(const float* running, const float* increment, int64_t n, flo
 }
 
 struct Scratch {
-  std::vector<float> sums, mass, row, increments, tmp, buf;
+  std::vector<float> sums, mass, row, increments, tmp, buf, dist;
 };
 
 int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
@@ -102,6 +106,21 @@ int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
   cumsum(s.row.data(), kBlock, s.tmp);
   const int64_t j = first_above(s.row.data(), s.increments.data(), kBlock, t - before);
   return static_cast<int32_t>(b * kBlock + j);
+}
+
+// sampling.draw(sampling.residual(q, p), u) for one row: (q - p)+ (std::max keeps the
+// difference where it is not below 0, as jnp.maximum does), its tree sum, each entry over
+// it (IEEE division, as XLA's without fast math), or q where the sum is not positive.
+int32_t residual_row(const float* q, const float* p, int64_t v, float u, Scratch& s) {
+  s.dist.resize(v);
+  float* d = s.dist.data();
+  for (int64_t i = 0; i < v; ++i) d[i] = std::max(q[i] - p[i], 0.0f);
+  const float total = tree_sum(d, v, s.buf);
+  if (total > 0.0f)
+    for (int64_t i = 0; i < v; ++i) d[i] = d[i] / total;
+  else
+    std::copy(q, q + v, d);
+  return sample_row(d, v, u, s);
 }
 
 // x [..., N] -> (rows, N), checking that `out` holds one value per row.
@@ -143,7 +162,33 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error ResidualSampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> p,
+                              ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::S32> out) {
+  int64_t rows, v;
+  if (!row_shape(q, static_cast<int64_t>(u.element_count()), &rows, &v) ||
+      p.element_count() != q.element_count() || static_cast<int64_t>(out->element_count()) != rows)
+    return ffi::Error::InvalidArgument("residual_sample: expected q and p float32 [..., V >= 1], "
+                                       "u float32 [...], out int32 [...]");
+  const float* qs = q.typed_data();
+  const float* ps = p.typed_data();
+  const float* us = u.typed_data();
+  int32_t* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local Scratch scratch;
+    ys[r] = residual_row(qs + r * v, ps + r * v, v, us[r], scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampResidualSample, ResidualSampleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampTreeSum, TreeSumImpl,
                               ffi::Ffi::Bind()
