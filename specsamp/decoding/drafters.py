@@ -32,7 +32,7 @@ from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (DecodeState, gather_window, prefix_positions, shifted_features,
                                      write_window)
 from specsamp.decoding.tree import Tree
-from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, TreeProposal, draft_tree
+from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, Reduced, TreeProposal, draft_tree
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.model import cache_attention, default_attention
 from specsamp.models.argmax import first_argmax
@@ -202,16 +202,13 @@ def _reduced_drawer(sampling: SamplingParams, keys: jax.Array, ids: jax.Array, v
     0 (~0.2 ms a draft token against ~0.06, docs/measurements.md). The same law: a token
     outside the head has probability exactly 0 either way, and the rule reads the very
     array the token was drawn from. The head's padding repeats its last id
-    (`reduced_head(pad=True)`) and is masked to probability 0 here, so that the scatter's
-    adds put each real token's probability once (x + 0 is x)."""
-    real = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
-
+    (`reduced_head(pad=True)`) and is masked to probability 0 (`tree_draft.Reduced`, as
+    the trees' sampled draws do), so that each token's probability lands once."""
     def draw(sub, i):
-        probs = probs_from_logits(jnp.where(real, sub, -1e30), sampling)
+        rows = Reduced(sub, ids, vocab)
+        probs = probs_from_logits(rows.unique(), sampling)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-        at = jax.vmap(sample)(step_keys, probs)
-        full = jnp.zeros(probs.shape[:-1] + (vocab,), jnp.float32).at[..., ids].add(probs)
-        return ids[at], full
+        return ids[jax.vmap(sample)(step_keys, probs)], rows.scatter(probs)
 
     return draw
 

@@ -90,12 +90,14 @@ def _choose(rows, sampling: SamplingParams, keys: jax.Array, width: int, scored:
     (acceptance reads them). scored: logp, each chosen token's log-probability (the
     processed distribution's; under greedy the draft's softmax). A reduced head's rows stay
     reduced under greedy: the same tokens as over the whole vocabulary, at a sixth of the
-    work for the shipped draft (a full row's scatter and passes cost a tree ~0.3 ms a round)."""
-    if isinstance(rows, Reduced):
-        if sampling.greedy:
-            at, _, logp = _choose(rows.unique(), sampling, keys, width, scored)
-            return jnp.where(at >= 0, rows.ids[jnp.maximum(at, 0)], -1), None, logp
-        rows = rows.full()
+    work for the shipped draft (a full row's scatter and passes cost a tree ~0.3 ms a round);
+    sampled, its rows are processed and drawn from as they are, and only the processed
+    probabilities are scattered into the vocabulary (`Reduced.scatter`), for the rule: the
+    same law, every other token at probability 0 either way."""
+    if isinstance(rows, Reduced):  # drawn among its own tokens, scattered for the rule
+        at, probs, logp = _choose(rows.unique(), sampling, keys, width, scored)
+        tokens = jnp.where(at >= 0, rows.ids[jnp.maximum(at, 0)], -1)
+        return tokens, None if probs is None else rows.scatter(probs), logp
     logits = rows.astype(jnp.float32)
     if sampling.greedy:
         tokens = _top(logits, width)
@@ -246,6 +248,13 @@ class Reduced(NamedTuple):
         """The logits with a repeated id's copies at -1e30: each token once, as in `full`."""
         repeat = jnp.concatenate([jnp.zeros((1,), bool), self.ids[1:] == self.ids[:-1]])
         return jnp.where(repeat, -1e30, self.logits.astype(jnp.float32))
+
+    def scatter(self, probs: jax.Array) -> jax.Array:
+        """Probabilities [..., n] of `unique()`'s logits (a repeated id's copies at 0) as rows
+        [..., vocab]: each token's once (adding the copies' zeros changes no bit), 0 at
+        every other token."""
+        full = jnp.zeros(probs.shape[:-1] + (self.vocab,), jnp.float32)
+        return full.at[..., self.ids].add(probs)
 
 
 class ModelSteps(NamedTuple):
