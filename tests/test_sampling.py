@@ -290,7 +290,8 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)])
 def test_reduced_head_draws_from_the_full_rows_law(temperature, top_k, top_p):
-    """A feature draft's reduced head draws among its own tokens (`drafters._reduced_drawer`)
+    """A feature draft's reduced head draws among its own tokens (`drafters._drawer` on
+    `tree_draft.Reduced` rows)
     from the law the full row gives (its logits scattered into the vocabulary, the rest
     at probability 0), and returns that law as the full row the acceptance rule reads.
     The head is padded as decoding loads it (the last id repeated). Catches padding
@@ -298,7 +299,8 @@ def test_reduced_head_draws_from_the_full_rows_law(temperature, top_k, top_p):
     row that is not the one drawn from."""
     from scipy import stats
 
-    from specsamp.decoding.drafters import _reduced_drawer
+    from specsamp.decoding.drafters import _drawer
+    from specsamp.decoding.tree_draft import Reduced
     from specsamp.models.feature_draft import scatter_reduced
 
     vocab, ids = 40, jnp.asarray([1, 4, 5, 9, 17, 30, 33, 33, 33], jnp.int32)  # 2 pads
@@ -306,13 +308,13 @@ def test_reduced_head_draws_from_the_full_rows_law(temperature, top_k, top_p):
     sub = sub.at[:, 7:].set(sub[:, 6:7])  # a padded row is the last id's row: the same logit
     sp = SamplingParams(temperature, top_k, top_p)
     keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    draw = jax.jit(lambda s, i: _reduced_drawer(sp, keys, ids, vocab)(s, i))
+    draw = jax.jit(lambda s, i: _drawer(sp, keys, None)(Reduced(s, ids, vocab), i))
     tok, p = draw(sub, 0)
     want = np.asarray(probs_from_logits(scatter_reduced(sub, ids, vocab), sp))
     np.testing.assert_allclose(np.asarray(p), want, rtol=2e-6, atol=1e-7)
     assert np.all(np.asarray(p)[np.arange(3), np.asarray(tok)] > 0)  # drawn where p has mass
     # many draws of row 0: frequencies follow p (keys differ by the draw index i)
-    many = jax.jit(jax.vmap(lambda i: _reduced_drawer(sp, keys, ids, vocab)(sub, i)[0][0]))
+    many = jax.jit(jax.vmap(lambda i: _drawer(sp, keys, None)(Reduced(sub, ids, vocab), i)[0][0]))
     counts = np.bincount(np.asarray(many(jnp.arange(4000))), minlength=vocab).astype(float)
     expected = want[0] * counts.sum()
     assert counts[want[0] == 0].sum() == 0

@@ -32,11 +32,12 @@ from specsamp.decoding.sampling import probs_from_logits, sample
 from specsamp.decoding.state import (DecodeState, gather_window, prefix_positions, shifted_features,
                                      write_window)
 from specsamp.decoding.tree import Tree
-from specsamp.decoding.tree_draft import FeatureSteps, ModelSteps, Reduced, TreeProposal, draft_tree
+from specsamp.decoding.tree_draft import (FeatureSteps, ModelSteps, Reduced, TreeProposal, draft_tree,
+                                          feature_head)
 from specsamp.models import KVCache, Model, ModelConfig, init_cache
 from specsamp.models.model import cache_attention, default_attention
 from specsamp.models.argmax import first_argmax
-from specsamp.models.feature_draft import FeatureModel, head_product
+from specsamp.models.feature_draft import FeatureModel
 
 
 class Proposal(NamedTuple):
@@ -182,33 +183,23 @@ class ModelDrafter:
 
 
 def _drawer(sampling: SamplingParams, keys: jax.Array, native: bool | None):
-    """draw(logits [B, V], i) -> (token [B], probs [B, V]): the i-th draft token of each row."""
+    """draw(logits [B, V], i) -> (token [B], probs [B, V]): the i-th draft token of each row.
+    A reduced head's rows (`tree_draft.Reduced`) are processed and drawn from over the
+    head's own entries (its padding copies masked to probability 0), and only the
+    probabilities are scattered into the vocabulary, for the acceptance rule: the same law
+    as over the scattered logits, every other token at probability 0 either way, and the
+    rule reads the very array the token was drawn from (a full row's softmax and draw cost
+    ~0.25 ms a draft token against ~0.06, docs/measurements.md)."""
 
     def draw(logits, i):
+        if isinstance(logits, Reduced):
+            at, probs = draw(logits.unique(), i)
+            return logits.ids[at], logits.scatter(probs)
         probs = probs_from_logits(logits, sampling)
         if sampling.greedy:  # a point mass: sample() would return its one token
             return first_argmax(logits.astype(jnp.float32), native), probs
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
         return jax.vmap(sample)(step_keys, probs), probs
-
-    return draw
-
-
-def _reduced_drawer(sampling: SamplingParams, keys: jax.Array, ids: jax.Array, vocab: int):
-    """`_drawer` for a reduced head (`feature_draft.reduced_head`): draw(sub [B, N], i)
-    reads the head's own N logits. The distribution is taken over the N tokens and the
-    draw among them, then scattered into the vocabulary for the acceptance rule, where the
-    full row's softmax and draw ran over V = 49,152 entries of which all but N are exactly
-    0 (~0.2 ms a draft token against ~0.06, docs/measurements.md). The same law: a token
-    outside the head has probability exactly 0 either way, and the rule reads the very
-    array the token was drawn from. The head's padding repeats its last id
-    (`reduced_head(pad=True)`) and is masked to probability 0 (`tree_draft.Reduced`, as
-    the trees' sampled draws do), so that each token's probability lands once."""
-    def draw(sub, i):
-        rows = Reduced(sub, ids, vocab)
-        probs = probs_from_logits(rows.unique(), sampling)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-        return ids[jax.vmap(sample)(step_keys, probs)], rows.scatter(probs)
 
     return draw
 
@@ -315,11 +306,11 @@ class FeatureDrafter:
             vocab = self.cfg.vocab_size
             head = lambda g: model.greedy_tokens(params, g, self.native)[:, 0]
             draw = lambda tok, i: (tok, jax.nn.one_hot(tok, vocab, dtype=jnp.float32))
-        elif "head_ids" in params:  # a reduced head: drawn among its own tokens
-            head = lambda g: head_product(g, params["head"]["kernel"])[:, 0]
-            draw = _reduced_drawer(self.sampling, keys, params["head_ids"], self.cfg.vocab_size)
-        else:
-            head = lambda g: model.logits(params, g)[:, 0]
+        else:  # a reduced head's rows stay reduced (`_drawer`)
+            def head(g):
+                rows = feature_head(self.cfg, params, g)
+                return rows._replace(logits=rows.logits[:, 0]) if isinstance(rows, Reduced) else rows[:, 0]
+
             draw = _drawer(self.sampling, keys, self.native)
         draft, p, cache = _chain(draw, head, feed, g, fs.cache, self.k)
         return Proposal(draft, p, fs.replace(cache=cache))

@@ -257,6 +257,16 @@ class Reduced(NamedTuple):
         return full.at[..., self.ids].add(probs)
 
 
+def feature_head(cfg, params, g):
+    """A feature draft's rows at features g [..., D]: its logits, or with a reduced head the
+    reduced logits and their token ids (`Reduced`: no full-vocabulary scatter)."""
+    from specsamp.models.feature_draft import FeatureModel, head_product
+
+    if "head_ids" not in params:
+        return FeatureModel(cfg).logits(params, g)
+    return Reduced(head_product(g, params["head"]["kernel"]), params["head_ids"], cfg.vocab_size)
+
+
 class ModelSteps(NamedTuple):
     """`draft_tree`'s calls for a draft model (or early exit): forward(params, tokens,
     positions, cache, paths=None) -> (logits [B, T, V], cache) on its KV cache."""
@@ -318,13 +328,7 @@ class FeatureSteps(NamedTuple):
         return self._head(params, g[:, frontier]), (root_feature, gs), fs.replace(cache=cache)
 
     def _head(self, params, g):
-        """The draft's rows at features g [..., D]: its logits, or with a reduced head the
-        reduced logits and their token ids (`Reduced`: no full-vocabulary scatter)."""
-        if "head_ids" not in params:
-            return self._model.logits(params, g)
-        from specsamp.models.feature_draft import head_product
-
-        return Reduced(head_product(g, params["head"]["kernel"]), params["head_ids"], self.drafter.cfg.vocab_size)
+        return feature_head(self.drafter.cfg, params, g)
 
     @property
     def _model(self):

@@ -110,16 +110,14 @@ int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
 
 // sampling.draw(sampling.residual(q, p), u) for one row: (q - p)+ (std::max keeps the
 // difference where it is not below 0, as jnp.maximum does), its tree sum, each entry over
-// it (IEEE division, as XLA's without fast math), or q where the sum is not positive.
+// it (IEEE division, as XLA's without fast math); q itself where the sum is not positive.
 int32_t residual_row(const float* q, const float* p, int64_t v, float u, Scratch& s) {
   s.dist.resize(v);
   float* d = s.dist.data();
   for (int64_t i = 0; i < v; ++i) d[i] = std::max(q[i] - p[i], 0.0f);
   const float total = tree_sum(d, v, s.buf);
-  if (total > 0.0f)
-    for (int64_t i = 0; i < v; ++i) d[i] = d[i] / total;
-  else
-    std::copy(q, q + v, d);
+  if (!(total > 0.0f)) return sample_row(q, v, u, s);
+  for (int64_t i = 0; i < v; ++i) d[i] = d[i] / total;
   return sample_row(d, v, u, s);
 }
 
