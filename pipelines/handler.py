@@ -53,7 +53,7 @@ def generator_spec(cfg: RunConfig, setting: Setting):
                          chat=cfg.chat, system=cfg.system, stop=cfg.stop,
                          batch_size=cfg.batch_size, weights=cfg.weights,
                          tensor_parallel=cfg.tensor_parallel, kv_cache=cfg.kv_cache,
-                         dtype=cfg.dtype, tree=setting.tree,
+                         dtype=cfg.dtype, tree=setting.tree, verify=cfg.verify,
                          batching="continuous")
 
 

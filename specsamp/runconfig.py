@@ -110,6 +110,7 @@ class RunConfig:
     tensor_parallel: int = 1  # split the target over each worker's first N devices
     kv_cache: str = "auto"  # auto (the dtype's) | float32 | float16 | bfloat16: the target's KV cache
     dtype: str = "auto"  # auto | float32 | bfloat16 (specsamp.loading.DTYPES): weights and activations
+    verify: str = "block"  # block | token: how sampled chains test their drafts (both exact)
     runner: str | None = None  # local | dask | dataflow when --runner is not given (not in the hash)
 
     @property
@@ -137,6 +138,10 @@ class RunConfig:
             body["kv_cache"] = "float32" if self.dtype == "auto" else self.dtype
         if self.dtype != "auto":
             body["dtype"] = self.dtype
+        # Likewise the per-token rule joins only when asked for (block verification is the
+        # default; both sample the target exactly, with different draws for a seed).
+        if self.verify != "block":
+            body["verify"] = self.verify
         blob = json.dumps(body, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -359,6 +364,8 @@ def _validated(cfg: RunConfig, where: str = "config") -> RunConfig:
 
     if cfg.dtype not in DTYPES:
         fail(f"'dtype' must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.verify not in ("block", "token"):
+        fail(f"'verify' must be block or token, got {cfg.verify!r}")
     w = cfg.workers
     if not isinstance(w.share_model_across_processes, bool):
         fail("workers.share_model_across_processes must be true or false")

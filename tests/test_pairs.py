@@ -42,6 +42,18 @@ def test_smaller_draft_head_never_drafts_the_missing_ids():
         assert (p[..., 6:] == 0).all() and np.allclose(p.sum(-1), 1, atol=1e-6)
 
 
+def test_smaller_draft_reads_the_ids_it_lacks_without_nan():
+    """The target may emit an id past the draft's embedding (from the residual). Looked up
+    as it is, it read NaN into the draft's cache, and every later draft of the row was NaN
+    (block verification then kept the NaN drafts' tokens). The draft reads it as its last
+    id: finite logits, at that position and after it."""
+    drafter, params = tiny.drafter("tiny-draft-small-head", 2, SamplingParams(1.0))
+    cache = drafter.init_state(1, 16)
+    cache = drafter.prefill(params, jnp.asarray([[1, 7, 2]], jnp.int32), cache, jnp.zeros((1,), jnp.int32))
+    logits, _ = drafter.forward(params, jnp.asarray([[6, 3]], jnp.int32), jnp.asarray([[3, 4]]), cache)
+    assert np.isfinite(np.asarray(logits[..., :6])).all()
+
+
 def _pair(tmp_path, target_vocab: int, draft_vocab: int):
     """Two bfloat16 folders sharing the tiny tokenizer (300 tokens), heads padded to
     target_vocab and draft_vocab rows."""

@@ -93,7 +93,7 @@ def test_hash_covers_what_changes_samples_only():
     for changes in ({"seed": 1}, {"max_new_tokens": 64}, {"sampling": {"temperature": 1.0}},
                     {"settings": [{"draft": "ngram", "k": 5}]}, {"chat": False}, {"system": "Be brief."},
                     {"weights": "float32"}, {"kv_cache": "float16"}, {"dtype": "bfloat16"},
-                    {"dtype": "bfloat16", "kv_cache": "float32"}):
+                    {"dtype": "bfloat16", "kv_cache": "float32"}, {"verify": "token"}):
         assert make(**changes).config_hash() != a.config_hash(), changes
     assert make(target="smollm2").config_hash() == a.config_hash()  # the default, spelled out
 
@@ -105,6 +105,13 @@ def test_configs_from_before_dtype_keep_their_hash():
     assert make().config_hash() == "9618a6b44bc7b955"
     assert make(kv_cache="float16").config_hash() == "49c326d3ec875887"
     assert make(kv_cache="float32").config_hash() == make().config_hash()
+    assert make(verify="block").config_hash() == make().config_hash()  # the default, spelled out
+
+
+def test_verify_is_checked():
+    assert make(verify="token").verify == "token"
+    with pytest.raises(UserError, match="verify"):
+        make(verify="blocks")
 
 
 def test_frozen_and_overrides_revalidate():

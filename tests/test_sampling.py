@@ -287,6 +287,23 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
         assert native[2] == int(jax.jit(draw)(q[2], us[2]))  # p == q: drawn from q
         assert np.asarray(q)[np.arange(6), native].min() > 0
 
+    # Block verification's factor on q (`residual_draw`'s scale, `residual_mass`): the
+    # same bits with the product rounded apart from the difference; a factor that leaves
+    # no positive part (row 3: p == 0 there, so never) and one of 1.
+    from specsamp.decoding.sampling import residual_mass
+
+    scales = jnp.asarray([0.5, 1.0, 0.3, 0.999, 1e-3, 0.75], jnp.float32)
+    for u in (0.0, below_one, *rng.random(3).astype(np.float32)):
+        us = jnp.full((6,), u, jnp.float32)
+        xla, native = _on_both_paths(monkeypatch, jax.vmap(residual_draw), q, d, us, scales)
+        np.testing.assert_array_equal(xla, native)
+        assert np.asarray(q)[np.arange(6), native].min() > 0
+    xla, native = _on_both_paths(monkeypatch, residual_mass, q, d, scales)
+    np.testing.assert_array_equal(bits(xla), bits(native))
+    assert "specsamp_residual_mass" in jax.jit(residual_mass).lower(q, d, scales).as_text()
+    want = np.maximum(np.asarray(scales, np.float64)[:, None] * np.asarray(q, np.float64) - np.asarray(d, np.float64), 0).sum(1)
+    np.testing.assert_allclose(native, want, rtol=1e-4, atol=1e-30)
+
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)])
 def test_reduced_head_draws_from_the_full_rows_law(temperature, top_k, top_p):

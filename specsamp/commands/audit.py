@@ -42,7 +42,8 @@ def run(args) -> int:
                   kv_cache=args.kv_cache, dtype=args.dtype, chat=args.chat, batch_size=min(args.batch_size, args.samples))
     status(f"loading models; drawing {args.samples} speculative and {args.samples} "
            f"autoregressive samples of {args.positions} tokens ...")
-    spec_gen = load_generator(GeneratorSpec(draft=args.draft, k=args.k, tree=args.tree, **common))
+    spec_gen = load_generator(GeneratorSpec(draft=args.draft, k=args.k, tree=args.tree, verify=args.verify,
+                                            **common))
     ar_gen = load_generator(GeneratorSpec(draft="none", **common))
     results = run_audit(spec_gen, ar_gen, args.prompt, args.samples, args.positions)
     failed = any(r.p_value < args.alpha / len(results) for r in results)

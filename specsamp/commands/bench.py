@@ -6,7 +6,7 @@ import argparse
 import itertools
 
 from specsamp.commands.common import (
-    add_dtype_arg, add_kv_cache_arg, add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
+    add_dtype_arg, add_kv_cache_arg, add_verify_arg, add_tensor_parallel_arg, add_weights_arg, k_value, print_json, status,
 )
 from specsamp.errors import UserError
 
@@ -56,6 +56,7 @@ def register(sub) -> None:
     add_weights_arg(p, many=True)
     add_dtype_arg(p)
     add_kv_cache_arg(p, many=True)
+    add_verify_arg(p)
     p.add_argument("--throughput", action="store_true",
                    help="tokens/s of a batch job per batch size, K and batching (EOS on)")
     p.add_argument("--batch-size", type=_list(int), default=[1, 8, 32],
@@ -119,7 +120,7 @@ def run(args) -> int:
             spec = GeneratorSpec(target=args.target, draft=draft, k=k, sampling=sp, chat=chat, tree=tree,
                                  max_new_tokens=args.max_new_tokens, weights=weights,
                                  tensor_parallel=args.tensor_parallel, kv_cache=kv_cache,
-                                 dtype=args.dtype)
+                                 dtype=args.dtype, verify=args.verify)
             if not loaded:
                 status(f"loading {args.target or 'smollm2 (embedded default)'} ...")
             gen = load_generator(spec)
@@ -129,7 +130,7 @@ def run(args) -> int:
 
     status(f"{len(prompts)} prompts, K={args.k}, trees {args.tree or 'none'}, drafter {args.draft}, {args.repeats} repeats, "
            f"weights {','.join(args.weights)}, KV cache {','.join(args.kv_cache)}, "
-           f"tensor parallel {args.tensor_parallel}")
+           f"tensor parallel {args.tensor_parallel}, verify {args.verify}")
     stream = streaming_bandwidth()
     groups = []
     for weights, kv_cache in itertools.product(args.weights, args.kv_cache):
@@ -198,7 +199,7 @@ def run_throughput_command(args) -> int:
                                                 chat=chat, max_new_tokens=args.max_new_tokens,
                                                 weights=weights, kv_cache=kv_cache,
                                                 tensor_parallel=args.tensor_parallel,
-                                                dtype=args.dtype))
+                                                dtype=args.dtype, verify=args.verify))
 
         group = run_throughput(load, prompts, args.draft, ks, args.batch_size, args.batching,
                                log=status, machine=machine, repeats=repeats)

@@ -33,9 +33,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "chain's K, plain rounds or a small tree (2x1, 2x1x1, 3x1, 2x2; n-gram "
                         "lookup: the trees of branches) by expected tokens per second. Needs a "
                         "draft model, early-exit:L or ngram")
+    add_verify_arg(g)
     add_weights_arg(g)
     add_dtype_arg(g)
     add_kv_cache_arg(g)
+
+
+def add_verify_arg(g) -> None:
+    g.add_argument("--verify", choices=("block", "token"), default="block",
+                   help="how a sampled chain's K draft tokens are tested: 'block' (default: "
+                        "block verification, which keeps at least as many tokens) or 'token' "
+                        "(the per-token rule of the paper). Both sample the target exactly; "
+                        "greedy decoding and trees are not affected")
 
 
 def _choice_arg(g, flag: str, many: bool, choices, default: str, what: str, help_one: str,
@@ -151,6 +160,7 @@ def spec_from(args, draft: str | None = None, k: int | None = None, sampling=Non
         kv_cache=args.kv_cache,
         dtype=args.dtype,
         tree=getattr(args, "tree", "off"),
+        verify=getattr(args, "verify", "block"),
         **extra,
     )
 

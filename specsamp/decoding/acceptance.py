@@ -9,6 +9,20 @@ target's q_1..q_{K+1} from one scoring call:
 The emitted tokens follow q exactly (Theorem 1). A point-mass p (n-gram lookup, greedy
 drafting) is the special case p = one_hot(x~): keep with probability q(x~), else draw from
 q with x~ removed. Greedy decoding (q one-hot) keeps x~ iff it is the target's argmax.
+
+Block verification (`accept_block`, the default for sampled chains: Sun et al. 2024,
+"Block verification accelerates speculative decoding") decides on the K tokens together.
+With P_0 = 1 and P_i = min(1, P_{i-1} q_i(x~_i) / p_i(x~_i)) (how far the block so far is
+under-represented by the draft),
+  - h_i = S_i / (S_i + 1 - P_i) for i < K, where S_i = sum_x (P_i q_{i+1}(x) - p_{i+1}(x))+
+    is the residual mass one position further; h_K = P_K;
+  - keep the first tau tokens, tau the largest i with eta_i < h_i (0 if none), eta_i ~ U[0, 1);
+  - emit a token from (P_tau q_{tau+1} - p_{tau+1})+ normalised, or from q_{K+1} at tau = K.
+Its output follows q exactly too (docs/paper.md, "Block verification"; an exact
+enumeration in tests/test_block_verification.py), and for the same drafts it keeps at
+least as many tokens in expectation as the per-token rule: a token the draft
+over-proposes at one position can be paid for by one it under-proposes later, where the
+per-token rule would have stopped at the first. At K = 1 the two rules are one.
 """
 
 from __future__ import annotations
@@ -16,7 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specsamp.decoding.sampling import residual_draw
+from specsamp.decoding.sampling import residual_draw, residual_mass
+from specsamp.errors import UserError
 
 
 def accept(
@@ -42,6 +57,58 @@ def accept(
 
 
 accept_batch = jax.vmap(accept)
+
+
+def block_rule(draft, p, q, eta) -> tuple[jax.Array, jax.Array]:
+    """Block verification's decision for one row with its uniforms eta [K] given: (tau, the
+    draft tokens kept, 0..K; P_tau, the factor on q_{tau+1} in the residual, 1 at tau = 0
+    and tau = K). draft [K], p [K, V], q [K+1, V] as in `accept`."""
+    k = draft.shape[0]
+    q_draft = jnp.take_along_axis(q[:k], draft[:, None], axis=-1)[:, 0]
+    p_draft = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    # p(x~) > 0 for a drawn token; 0 only in rows whose draft is not read (a hybrid's rows
+    # without a match): no division by 0 there either.
+    ratio = jnp.where(p_draft > 0, q_draft / jnp.where(p_draft > 0, p_draft, 1.0), 0.0)
+    under, level = [], jnp.float32(1.0)
+    for i in range(k):
+        level = jnp.minimum(level * ratio[i], 1.0)
+        under.append(level)
+    under = jnp.stack(under)  # [K]: P_1..P_K
+    # S_i over the whole row, i = 1..K-1 (a fixed-order sum, as every sum of a row's
+    # probabilities: the same bits in any batch; one pass on the native kernels).
+    mass = residual_mass(q[1:k], p[1:k], under[:k - 1])
+    den = mass + (1.0 - under[:k - 1])
+    # den = 0: S = 0 and P = 1, h's limit 1. A row the draft could not score (NaN, a
+    # broken draft) has h = 0: nothing kept on its account, as the per-token rule's
+    # comparisons keep nothing there.
+    h = jnp.where(den > 0, mass / jnp.where(den > 0, den, 1.0), jnp.where(den == 0, 1.0, 0.0))
+    h = jnp.concatenate([h, under[k - 1:]])
+    tau = jnp.max(jnp.where(eta < h, jnp.arange(1, k + 1), 0)).astype(jnp.int32)
+    scale = jnp.where((tau > 0) & (tau < k), under[jnp.maximum(tau - 1, 0)], 1.0)
+    return tau, scale
+
+
+def accept_block(key, draft, p, q) -> tuple[jax.Array, jax.Array]:
+    """One row by block verification (the module's note): (n accepted in 0..K, the token
+    emitted after them). The key is split as `accept`'s: K uniforms for the decision, one
+    for the draw (from the residual with P_n on q_{n+1}: at n = 0 the per-token rule's
+    residual, at n = K the bonus row itself)."""
+    k = draft.shape[0]
+    key_r, key_x = jax.random.split(key)
+    n, scale = block_rule(draft, p, q, jax.random.uniform(key_r, (k,), dtype=jnp.float32))
+    p_n = jnp.where(n < k, p[jnp.minimum(n, k - 1)], 0.0)
+    u = jax.random.uniform(key_x, (), jnp.float32)
+    return n, residual_draw(q[n], p_n, u, scale)
+
+
+accept_block_batch = jax.vmap(accept_block)
+
+VERIFY_RULES = ("block", "token")  # `--verify`: how a sampled chain's K tokens are tested
+
+
+def check_verify(rule: str) -> None:
+    if rule not in VERIFY_RULES:
+        raise UserError(f"verify must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")
 
 
 def accept_greedy(draft: jax.Array, argmax: jax.Array) -> jax.Array:

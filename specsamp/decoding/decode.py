@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specsamp.decoding.acceptance import accept_batch, accept_greedy
+from specsamp.decoding.acceptance import accept_batch, accept_block_batch, accept_greedy, check_verify
 from specsamp.decoding.config import SamplingParams, no_tree_drafter
 from specsamp.decoding.drafters import Drafter
 from specsamp.decoding.tree import DynamicTree, Tree
@@ -48,8 +48,13 @@ class Program:
     # tree (`tree_round`), its drafter drafting K = the tree's depth; or a `DynamicTree`
     # (N nodes per row chosen among its candidates). None: chains of K.
     tree: Tree | DynamicTree | None = None
+    # How a sampled chain's K draft tokens are tested (`acceptance.VERIFY_RULES`): 'block'
+    # (block verification, at least as many tokens kept) or 'token' (the paper's per-token
+    # rule). Both are exact; greedy rounds and trees are not affected.
+    verify: str = "block"
 
     def __post_init__(self):
+        check_verify(self.verify)
         if self.tree is None:
             return
         if self.drafter is None or not hasattr(self.drafter, "propose_tree"):
@@ -305,7 +310,8 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
         x = jnp.take_along_axis(argmax, n[:, None], axis=1)[:, 0]
     else:
         q = probs_from_logits(logits, prog.sampling)
-        n, x = accept_batch(accept_keys, draft, p, q)
+        rule = accept_block_batch if prog.verify == "block" else accept_batch
+        n, x = rule(accept_keys, draft, p, q)
         if found is not None:
             n = jnp.where(found, n, 0)
             x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it

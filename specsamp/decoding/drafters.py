@@ -132,13 +132,20 @@ class ModelDrafter:
 
     def prefill(self, params, tokens, cache: KVCache, start) -> KVCache:
         positions = start[:, None] + prefix_positions(tokens)
-        _, cache = self._model().forward(params, tokens, positions, cache, head=False)
+        _, cache = self._model().forward(params, self._known(tokens), positions, cache, head=False)
         return cache
+
+    def _known(self, tokens):
+        """Tokens as the draft reads them: an id past a smaller draft's embedding (the
+        target may emit one, from the residual) read as its last id. Looked up as it is,
+        it would read NaN (an out-of-range gather) into the draft's cache and every later
+        draft of the row. What the draft reads never changes what the rule samples."""
+        return jnp.minimum(tokens, self.cfg.vocab_size - 1) if self.vocab_size else tokens
 
     def forward(self, params, tokens, positions, cache, paths=None):
         """One draft call: (logits [B, T, V], cache) (also what the cost ratio times);
         paths: a tree block's (`Model.forward`)."""
-        logits, cache = self._model().forward(params, tokens, positions, cache, paths=paths)
+        logits, cache = self._model().forward(params, self._known(tokens), positions, cache, paths=paths)
         missing = (self.vocab_size or self.cfg.vocab_size) - self.cfg.vocab_size
         if missing > 0:
             logits = jnp.pad(logits, ((0, 0), (0, 0), (0, missing)),

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from specsamp.decoding.acceptance import check_verify
 from specsamp.decoding.config import (
     TREE_AUTO, KChoice, SamplingParams, check_kv_cache, check_max_new_tokens, fixed_k,
     parse_draft, parse_k, parse_tree, resolve_kv_cache, seed_for, tree_text, trees_for,
@@ -73,6 +74,9 @@ class GeneratorSpec:
     # or 'auto': the K policy picks a chain's K or one of `config.AUTO_TREES` per chunk
     # (k is then auto; n-gram lookup and a hybrid weigh the trees of branches only).
     tree: str = "off"
+    # How sampled chains test their drafts: 'block' (block verification, default) or
+    # 'token' (the per-token rule); both exact (`specsamp.decoding.acceptance`).
+    verify: str = "block"
     draft_k: KChoice = dataclasses.field(init=False, repr=False, compare=False)  # k, parsed
     draft_tree: Tree | None = dataclasses.field(init=False, repr=False, compare=False)  # tree, parsed
 
@@ -105,6 +109,7 @@ class GeneratorSpec:
         check_dtype(self.dtype)
         check_tensor_parallel(self.tensor_parallel)
         check_kv_cache(self.kv_cache)
+        check_verify(self.verify)
 
     @property
     def mode(self) -> str:
@@ -156,7 +161,7 @@ class Generator:
             k = dataclasses.replace(k, trees=trees_for(self.drafter, k.trees))
         self.engine = Engine(
             Program(cfg, spec.sampling, self.drafter, resolve_kv_cache(spec.kv_cache, self.target.dtype),
-                    tree=spec.draft_tree if self.drafter is not None else None),
+                    tree=spec.draft_tree if self.drafter is not None else None, verify=spec.verify),
             self.target.params, draft_params,
             eos_ids=tuple(self.tokenizer.eos_ids), max_new_tokens=spec.max_new_tokens, mesh=self.mesh,
             k=k if self.drafter is not None else fixed_k(0),

@@ -193,13 +193,29 @@ def _first_above(running: jax.Array, t: jax.Array, positive: jax.Array) -> jax.A
     return jnp.where(idx >= n, last, idx)
 
 
-def residual_draw(q: jax.Array, p: jax.Array, u: jax.Array) -> jax.Array:
-    """draw(residual(q, p), u) for rows q, p [V]: on the native kernels for a long float32
-    row, in one kernel (`specsamp.quant.kernels.residual_sample`, the same bits) instead of
-    the residual's passes over the row in XLA and then the draw."""
+def residual_draw(q: jax.Array, p: jax.Array, u: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """draw(residual(scale q, p), u) for rows q, p [V] (scale: a float, default 1, where
+    scale q is q): on the native kernels for a long float32 row, in one kernel
+    (`specsamp.quant.kernels.residual_sample`, the same bits) instead of the residual's
+    passes over the row in XLA and then the draw."""
     if q.dtype == jnp.float32 and native_rows(q.shape[-1]):
-        return kernels.residual_sample(q, p, u)
-    return draw(residual(q, p), u)
+        return kernels.residual_sample(q, p, u, jnp.ones_like(u) if scale is None else scale)
+    return draw(residual(q if scale is None else _scaled(q, scale), p), u)
+
+
+def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
+    """The sum of (scale q - p)+ over each row of q, p [..., V] (scale [...]): the mass
+    block verification weighs (`acceptance.block_rule`), a fixed-order sum; on the native
+    kernels for long float32 rows in one pass (`kernels.residual_mass`, the same bits)."""
+    if q.dtype == jnp.float32 and native_rows(q.shape[-1]):
+        return kernels.residual_mass(q, p, scale)
+    return row_sum(jnp.maximum(_scaled(q, scale) - p, 0.0))[..., 0]
+
+
+def _scaled(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """scale q as its own array: the product is rounded before anything subtracts from it
+    (no fused multiply-add), as the native kernels compute it."""
+    return jax.lax.optimization_barrier(jnp.asarray(scale, q.dtype)[..., None] * q)
 
 
 def residual(q: jax.Array, p: jax.Array) -> jax.Array:

@@ -25,7 +25,8 @@ _STATE: dict = {}
 _TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampAttend",
             "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax",
             "specsamp_tree_sum": "SpecsampTreeSum", "specsamp_sample": "SpecsampSample",
-            "specsamp_residual_sample": "SpecsampResidualSample"}
+            "specsamp_residual_sample": "SpecsampResidualSample",
+            "specsamp_residual_mass": "SpecsampResidualMass"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -187,11 +188,17 @@ def sample(probs: jax.Array, u: jax.Array) -> jax.Array:
     return _by_row("specsamp_sample", probs, jnp.int32, u.astype(jnp.float32))
 
 
-def residual_sample(q: jax.Array, p: jax.Array, u: jax.Array) -> jax.Array:
-    """q, p [..., V], u [...] -> [...] int32: `specsamp.decoding.sampling.draw` of
-    `sampling.residual(q, p)` with that u, bit for bit, in one kernel."""
+def residual_sample(q: jax.Array, p: jax.Array, u: jax.Array, scale: jax.Array) -> jax.Array:
+    """q, p [..., V], u, scale [...] -> [...] int32: `specsamp.decoding.sampling.draw` of
+    `sampling.residual(scale q, p)` with that u, bit for bit, in one kernel."""
     return _by_row("specsamp_residual_sample", q, jnp.int32, p.astype(jnp.float32),
-                   u.astype(jnp.float32))
+                   u.astype(jnp.float32), scale.astype(jnp.float32))
+
+
+def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
+    """q, p [..., V], scale [...] -> [...] float32: `sampling.residual_mass`, bit for bit."""
+    return _by_row("specsamp_residual_mass", q, jnp.float32, p.astype(jnp.float32),
+                   scale.astype(jnp.float32))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,

@@ -7,16 +7,20 @@
 //                       row's uniform number u, block sums of 256 entries (tree sums), their
 //                       running sum (reductions.cumsum's Hillis-Steele order), the block, then
 //                       the entry within it
-//   specsamp_residual_sample  sampling.draw(sampling.residual(q, p), u): the residual
-//                       (q - p)+ over its tree sum (q itself where that sum is not positive),
-//                       drawn from as specsamp_sample draws, without the residual's row
-//                       leaving the kernel
+//   specsamp_residual_sample  sampling.draw(sampling.residual(s q, p), u): the residual
+//                       (s q - p)+ over its tree sum (s q itself where that sum is not
+//                       positive), drawn from as specsamp_sample draws, without the
+//                       residual's row leaving the kernel; s, one factor per row (block
+//                       verification's P; 1 for the per-token rule, where s q is q)
+//   specsamp_residual_mass  sampling.residual_mass(q, p, s): the tree sum of (s q - p)+
 // The same float32 operations in the same order give the same bits, so whether a program
 // runs these kernels or the XLA operations never changes a probability or a draw; the
 // kernels only cost less. XLA:CPU runs a tree sum over a vocabulary as a padded copy and a
 // dozen small loops, and the draw's running sums as fused loops that recompute their inputs
 // at every level (docs/measurements.md). Only adds, one multiply, one subtraction and
-// comparisons are involved, so no contraction into fused multiply-adds can change a bit.
+// comparisons are involved, so no contraction into fused multiply-adds can change a bit
+// (this file is built for plain x86-64: no FMA instructions; the XLA twins keep the
+// product and the difference apart, `sampling._scaled`).
 //
 // Rows are independent (a row's result never depends on the others or on their count) and
 // are split between threads (parallel.h).
@@ -76,7 +80,7 @@ int64_t first_above(const float* running, const float* increment, int64_t n, flo
 }
 
 struct Scratch {
-  std::vector<float> sums, mass, row, increments, tmp, buf, dist;
+  std::vector<float> sums, mass, row, increments, tmp, buf, dist, scaled;
 };
 
 int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
@@ -111,7 +115,13 @@ int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
 // sampling.draw(sampling.residual(q, p), u) for one row: (q - p)+ (std::max keeps the
 // difference where it is not below 0, as jnp.maximum does), its tree sum, each entry over
 // it (IEEE division, as XLA's without fast math); q itself where the sum is not positive.
-int32_t residual_row(const float* q, const float* p, int64_t v, float u, Scratch& s) {
+// With a factor s != 1 on q, s q is a row of its own (the fallback draws from it).
+int32_t residual_row(const float* q, const float* p, int64_t v, float u, float scale, Scratch& s) {
+  if (scale != 1.0f) {
+    s.scaled.resize(v);
+    for (int64_t i = 0; i < v; ++i) s.scaled[i] = scale * q[i];
+    q = s.scaled.data();
+  }
   s.dist.resize(v);
   float* d = s.dist.data();
   for (int64_t i = 0; i < v; ++i) d[i] = std::max(q[i] - p[i], 0.0f);
@@ -119,6 +129,14 @@ int32_t residual_row(const float* q, const float* p, int64_t v, float u, Scratch
   if (!(total > 0.0f)) return sample_row(q, v, u, s);
   for (int64_t i = 0; i < v; ++i) d[i] = d[i] / total;
   return sample_row(d, v, u, s);
+}
+
+// sampling.residual_mass for one row: the tree sum of (s q - p)+.
+float residual_mass_row(const float* q, const float* p, int64_t v, float scale, Scratch& s) {
+  s.dist.resize(v);
+  float* d = s.dist.data();
+  for (int64_t i = 0; i < v; ++i) d[i] = std::max(scale * q[i] - p[i], 0.0f);
+  return tree_sum(d, v, s.buf);
 }
 
 // x [..., N] -> (rows, N), checking that `out` holds one value per row.
@@ -161,19 +179,40 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Bu
 }
 
 ffi::Error ResidualSampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> p,
-                              ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::S32> out) {
+                              ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> scale,
+                              ffi::ResultBuffer<ffi::S32> out) {
   int64_t rows, v;
   if (!row_shape(q, static_cast<int64_t>(u.element_count()), &rows, &v) ||
-      p.element_count() != q.element_count() || static_cast<int64_t>(out->element_count()) != rows)
+      p.element_count() != q.element_count() || static_cast<int64_t>(scale.element_count()) != rows ||
+      static_cast<int64_t>(out->element_count()) != rows)
     return ffi::Error::InvalidArgument("residual_sample: expected q and p float32 [..., V >= 1], "
-                                       "u float32 [...], out int32 [...]");
+                                       "u and scale float32 [...], out int32 [...]");
   const float* qs = q.typed_data();
   const float* ps = p.typed_data();
   const float* us = u.typed_data();
+  const float* ss = scale.typed_data();
   int32_t* ys = out->typed_data();
   specsamp::parallel_for(pool, rows, [&](int64_t r) {
     thread_local Scratch scratch;
-    ys[r] = residual_row(qs + r * v, ps + r * v, v, us[r], scratch);
+    ys[r] = residual_row(qs + r * v, ps + r * v, v, us[r], ss[r], scratch);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error ResidualMassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> p,
+                            ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t rows, v;
+  if (!row_shape(q, static_cast<int64_t>(scale.element_count()), &rows, &v) ||
+      p.element_count() != q.element_count() || static_cast<int64_t>(out->element_count()) != rows)
+    return ffi::Error::InvalidArgument("residual_mass: expected q and p float32 [..., V >= 1], "
+                                       "scale float32 [...], out float32 [...]");
+  const float* qs = q.typed_data();
+  const float* ps = p.typed_data();
+  const float* ss = scale.typed_data();
+  float* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local Scratch scratch;
+    ys[r] = residual_mass_row(qs + r * v, ps + r * v, v, ss[r], scratch);
   });
   return ffi::Error::Success();
 }
@@ -186,7 +225,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampResidualSample, ResidualSampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampResidualMass, ResidualMassImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampTreeSum, TreeSumImpl,
                               ffi::Ffi::Bind()
