@@ -146,3 +146,31 @@ def test_bonus_token_follows_the_last_target_distribution():
     n, x = np.asarray(n), np.asarray(x)
     assert (n == k).all()  # p == q: nothing is rejected
     assert _chi_square_pvalue(np.bincount(x, minlength=6), bonus_q.astype(np.float64)) > ALPHA
+
+
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_point_mass_drafts_need_no_rows(rule):
+    """A lookup's drafts (p None, or `point` rows whose p is not read) give the rule's
+    (n, token) on p = one_hot(draft) for the same keys, bit for bit: the point mass is
+    the same numbers without building [K, V] rows. Rows mix point-mass and drawn drafts,
+    and the unread p rows of point rows are garbage (NaN) to show they are not read."""
+    from specsamp.decoding.acceptance import accept_batch, accept_block_batch
+
+    f = jax.jit(accept_batch if rule == "token" else accept_block_batch)
+    rng = np.random.default_rng(5)
+    b, k, v = 256, 3, 6
+    q = jnp.asarray(rng.dirichlet(np.ones(v) * 0.5, size=(b, k + 1)), jnp.float32)
+    drawn = jnp.asarray(rng.dirichlet(np.ones(v) * 0.5, size=(b, k)), jnp.float32)
+    draft = jnp.asarray(rng.integers(0, v, size=(b, k)), jnp.int32)
+    drawn = jnp.where(jax.nn.one_hot(draft, v) > 0, jnp.maximum(drawn, 0.05), drawn)
+    one_hot = jax.nn.one_hot(draft, v, dtype=jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(2), b)
+    want = f(keys, draft, one_hot, q)
+    got = f(keys, draft, None, q)
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    point = jnp.asarray(rng.random(b) < 0.5)
+    mixed = jnp.where(point[:, None, None], one_hot, drawn)
+    want = f(keys, draft, mixed, q)
+    got = f(keys, draft, jnp.where(point[:, None, None], jnp.nan, drawn), q, point)
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    assert 0 < np.asarray(want[0]).mean() < k  # kept some drafts, not all

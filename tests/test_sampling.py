@@ -298,10 +298,15 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
         xla, native = _on_both_paths(monkeypatch, jax.vmap(residual_draw), q, d, us, scales)
         np.testing.assert_array_equal(xla, native)
         assert np.asarray(q)[np.arange(6), native].min() > 0
-    xla, native = _on_both_paths(monkeypatch, residual_mass, q, d, scales)
+    # residual_mass reads rows 1..M of [..., R, V] stacks (here two stacks of 3 rows, M = 2,
+    # and p with a row more than M + 1)
+    qs, ds = q.reshape(2, 3, n), jnp.concatenate([d, d[:2]]).reshape(2, 4, n)
+    ms = scales[:4].reshape(2, 2)
+    xla, native = _on_both_paths(monkeypatch, residual_mass, qs, ds, ms)
     np.testing.assert_array_equal(bits(xla), bits(native))
-    assert "specsamp_residual_mass" in jax.jit(residual_mass).lower(q, d, scales).as_text()
-    want = np.maximum(np.asarray(scales, np.float64)[:, None] * np.asarray(q, np.float64) - np.asarray(d, np.float64), 0).sum(1)
+    assert "specsamp_residual_mass" in jax.jit(residual_mass).lower(qs, ds, ms).as_text()
+    want = np.maximum(np.asarray(ms, np.float64)[..., None] * np.asarray(qs, np.float64)[:, 1:3]
+                      - np.asarray(ds, np.float64)[:, 1:3], 0).sum(-1)
     np.testing.assert_allclose(native, want, rtol=1e-4, atol=1e-30)
 
 

@@ -34,38 +34,62 @@ from specsamp.decoding.sampling import residual_draw, residual_mass
 from specsamp.errors import UserError
 
 
+def _at_draft(draft, p, point):
+    """The draft's probabilities of its own tokens [K]: 1 for a point-mass draft (p None:
+    every row's; point: this row's, its p rows not read)."""
+    if p is None:
+        return jnp.ones(draft.shape, jnp.float32)
+    at = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    return at if point is None else jnp.where(point, 1.0, at)
+
+
+def _draft_row(draft, p, point, n, v: int):
+    """Draft row n as the residual reads it: p[n], the point mass on draft[n] for a
+    point-mass draft, zeros at n = K (there the "residual" is q_{K+1} itself, the bonus)."""
+    k = draft.shape[0]
+    at = jnp.minimum(n, k - 1)
+    if p is None:
+        row = jax.nn.one_hot(draft[at], v, dtype=jnp.float32)
+    elif point is None:
+        row = p[at]
+    else:
+        row = jnp.where(point, jax.nn.one_hot(draft[at], v, dtype=jnp.float32), p[at])
+    return jnp.where(n < k, row, 0.0)
+
+
 def accept(
     key: jax.Array,  # [2] one row's key
     draft: jax.Array,  # [K] int32
-    p: jax.Array,  # [K, V] float32, the arrays the draft tokens were drawn from
+    p: jax.Array | None,  # [K, V] float32, the arrays the draft tokens were drawn from
     q: jax.Array,  # [K+1, V] float32
+    point: jax.Array | None = None,  # bool: the draft is the point mass on its tokens
 ) -> tuple[jax.Array, jax.Array]:
-    """One row: returns (n accepted in 0..K, the token emitted after them)."""
+    """One row: returns (n accepted in 0..K, the token emitted after them). A point-mass
+    draft (prompt lookup) needs no p rows: p None (or `point`) stands for one_hot(draft),
+    the same numbers without building them."""
     k = draft.shape[0]
     key_r, key_x = jax.random.split(key)
     q_draft = jnp.take_along_axis(q[:k], draft[:, None], axis=-1)[:, 0]
-    p_draft = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    p_draft = _at_draft(draft, p, point)
     r = jax.random.uniform(key_r, (k,), dtype=jnp.float32)
     # r < q/p written without the division; p(x~) > 0 since x~ was drawn from p.
     kept = r * p_draft < q_draft
     n = jnp.sum(jnp.cumprod(kept.astype(jnp.int32)))
-    # Row n of p, zeros at n == K: there the "residual" is q_{K+1} itself (the bonus). The
-    # draw is sample()'s: one uniform from key_x.
-    p_n = jnp.where(n < k, p[jnp.minimum(n, k - 1)], 0.0)
+    # The draw is sample()'s: one uniform from key_x.
     u = jax.random.uniform(key_x, (), jnp.float32)
-    return n.astype(jnp.int32), residual_draw(q[n], p_n, u)
+    return n.astype(jnp.int32), residual_draw(q[n], _draft_row(draft, p, point, n, q.shape[-1]), u)
 
 
 accept_batch = jax.vmap(accept)
 
 
-def block_rule(draft, p, q, eta) -> tuple[jax.Array, jax.Array]:
+def block_rule(draft, p, q, eta, point=None) -> tuple[jax.Array, jax.Array]:
     """Block verification's decision for one row with its uniforms eta [K] given: (tau, the
     draft tokens kept, 0..K; P_tau, the factor on q_{tau+1} in the residual, 1 at tau = 0
-    and tau = K). draft [K], p [K, V], q [K+1, V] as in `accept`."""
+    and tau = K). draft [K], p [K, V] (or None), q [K+1, V], point as in `accept`."""
     k = draft.shape[0]
     q_draft = jnp.take_along_axis(q[:k], draft[:, None], axis=-1)[:, 0]
-    p_draft = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    p_draft = _at_draft(draft, p, point)
     # p(x~) > 0 for a drawn token; 0 only in rows whose draft is not read (a hybrid's rows
     # without a match): no division by 0 there either.
     ratio = jnp.where(p_draft > 0, q_draft / jnp.where(p_draft > 0, p_draft, 1.0), 0.0)
@@ -75,8 +99,12 @@ def block_rule(draft, p, q, eta) -> tuple[jax.Array, jax.Array]:
         under.append(level)
     under = jnp.stack(under)  # [K]: P_1..P_K
     # S_i over the whole row, i = 1..K-1 (a fixed-order sum, as every sum of a row's
-    # probabilities: the same bits in any batch; one pass on the native kernels).
-    mass = residual_mass(q[1:k], p[1:k], under[:k - 1])
+    # probabilities: the same bits in any batch; one pass on the native kernels). For a
+    # point mass on x it is P_i (1 - q(x)) (P_i q(x) <= 1): no pass at all.
+    mass = under[:k - 1] * (1.0 - q_draft[1:])
+    if p is not None:
+        full = residual_mass(q, p, under[:k - 1])
+        mass = full if point is None else jnp.where(point, mass, full)
     den = mass + (1.0 - under[:k - 1])
     # den = 0: S = 0 and P = 1, h's limit 1. A row the draft could not score (NaN, a
     # broken draft) has h = 0: nothing kept on its account, as the per-token rule's
@@ -88,17 +116,16 @@ def block_rule(draft, p, q, eta) -> tuple[jax.Array, jax.Array]:
     return tau, scale
 
 
-def accept_block(key, draft, p, q) -> tuple[jax.Array, jax.Array]:
+def accept_block(key, draft, p, q, point=None) -> tuple[jax.Array, jax.Array]:
     """One row by block verification (the module's note): (n accepted in 0..K, the token
     emitted after them). The key is split as `accept`'s: K uniforms for the decision, one
     for the draw (from the residual with P_n on q_{n+1}: at n = 0 the per-token rule's
-    residual, at n = K the bonus row itself)."""
+    residual, at n = K the bonus row itself). p, point as in `accept`."""
     k = draft.shape[0]
     key_r, key_x = jax.random.split(key)
-    n, scale = block_rule(draft, p, q, jax.random.uniform(key_r, (k,), dtype=jnp.float32))
-    p_n = jnp.where(n < k, p[jnp.minimum(n, k - 1)], 0.0)
+    n, scale = block_rule(draft, p, q, jax.random.uniform(key_r, (k,), dtype=jnp.float32), point)
     u = jax.random.uniform(key_x, (), jnp.float32)
-    return n, residual_draw(q[n], p_n, u, scale)
+    return n, residual_draw(q[n], _draft_row(draft, p, point, n, q.shape[-1]), u, scale)
 
 
 accept_block_batch = jax.vmap(accept_block)

@@ -274,24 +274,26 @@ def _drafted_round(prog: Program, target_params, draft_params, state: DecodeStat
     proposal = propose(draft_params, state, draft_keys)
     calls = prog.drafter.calls_per_round if proposal.calls is None else proposal.calls
     state = log_draft_calls(state, jnp.broadcast_to(jnp.asarray(calls, jnp.int32), state.calls.shape))
-    draft, p, found = proposal.draft, proposal.p, proposal.found
+    draft, p, found, point = proposal.draft, proposal.p, proposal.found, proposal.point
     state = state.replace(draft=proposal.draft_state)  # what the rest of the round observes into
     if found is None:
-        return _score(prog, target_params, state, keys, draft, p, eos_ids, stop_ids)
+        return _score(prog, target_params, state, keys, draft, p, eos_ids, stop_ids, point=point)
     # A drafter that may have nothing to propose (n-gram lookup without a match): when no
     # running row has a proposal, a plain step is cheaper than scoring K+1 tokens. In a
     # scored round, rows without a proposal take exactly the plain step too (same key, same
     # token), so a sample and its statistics never depend on its batch-mates.
     return cond_in_place(
         jnp.any(found & (state.stop_reason == RUNNING)),
-        lambda s: _score(prog, target_params, s, keys, draft, p, eos_ids, stop_ids, found),
+        lambda s: _score(prog, target_params, s, keys, draft, p, eos_ids, stop_ids, found, point),
         lambda s: _ar_round(prog, target_params, s, eos_ids, stop_ids),
         state,
     )
 
 
-def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_ids, found=None):
-    """Score [current, draft] with the target in one call and apply the rejection rule."""
+def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_ids, found=None,
+           point=None):
+    """Score [current, draft] with the target in one call and apply the rejection rule
+    (p None or `point`: point-mass drafts, `drafters.Proposal`)."""
     k = draft.shape[1]
     accept_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
 
@@ -311,7 +313,7 @@ def _score(prog: Program, target_params, state, keys, draft, p, eos_ids, stop_id
     else:
         q = probs_from_logits(logits, prog.sampling)
         rule = accept_block_batch if prog.verify == "block" else accept_batch
-        n, x = rule(accept_keys, draft, p, q)
+        n, x = rule(accept_keys, draft, p, q, point)
         if found is not None:
             n = jnp.where(found, n, 0)
             x = jnp.where(found, x, jax.vmap(sample)(keys, q[:, 0]))  # as _ar_round draws it

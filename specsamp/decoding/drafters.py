@@ -42,10 +42,13 @@ from specsamp.models.feature_draft import FeatureModel
 
 class Proposal(NamedTuple):
     draft: jax.Array  # [B, K] int32
-    p: jax.Array  # [B, K, V] float32: the distributions the draft tokens came from
+    # [B, K, V] float32: the distributions the draft tokens came from; None: every row's
+    # draft is the point mass on its tokens (prompt lookup), not built as arrays
+    p: jax.Array | None
     draft_state: Any  # the drafter's loop state after the round (None: it has none)
     found: jax.Array | None = None  # [B] bool: rows with a real proposal (None: all)
     calls: jax.Array | None = None  # [B] int32 draft calls per row (None: calls_per_round)
+    point: jax.Array | None = None  # [B] bool: rows whose draft is a point mass (p not read there)
 
 
 class Drafter(Protocol):

@@ -60,8 +60,7 @@ class NgramDrafter:
     def propose(self, params, state: DecodeState, keys: jax.Array):
         del params, keys
         draft, found = jax.vmap(self._lookup)(state.tokens, state.current)
-        return Proposal(draft, jax.nn.one_hot(draft, self.vocab_size, dtype=jnp.float32),
-                        state.draft, found)
+        return Proposal(draft, None, state.draft, found)  # p: the point mass on the draft
 
     @staticmethod
     def check_tree(tree: Tree) -> None:
@@ -193,7 +192,7 @@ class HybridDrafter:
         """A wide round: the lookup's wide.k tokens; the model's first call only (its
         cache keeps up with the accepted tokens)."""
         _, fs = self.model.refresh(params, state)
-        return Proposal(lookup.draft, lookup.p, fs, lookup.found, jnp.ones_like(state.length))
+        return Proposal(lookup.draft, None, fs, lookup.found, jnp.ones_like(state.length))
 
     def propose(self, params, state: DecodeState, keys: jax.Array):
         lookup = self.ngram.propose(None, state, keys)
@@ -202,20 +201,21 @@ class HybridDrafter:
 
         # The carry: (draft, p) placeholders of the right shapes, and the draft state, which
         # each branch reads from the carry so that it is updated in place (`cond_in_place`).
+        # The rows with a match draft point masses (`Proposal.point`): their p rows are
+        # the model's or zeros, not read.
         def lookup_only(carry):
             _, fs = self.model.refresh(params, state.replace(draft=carry[2]))
-            return lookup.draft, lookup.p, fs
+            return lookup.draft, carry[1], fs
 
         def with_model(carry):
             drafted = self.model.propose(params, state.replace(draft=carry[2]), keys)
-            pick = found[:, None]
-            return (jnp.where(pick, lookup.draft, drafted.draft),
-                    jnp.where(pick[..., None], lookup.p, drafted.p), drafted.draft_state)
+            return jnp.where(found[:, None], lookup.draft, drafted.draft), drafted.p, drafted.draft_state
 
+        shape = lookup.draft.shape + (self.ngram.vocab_size,)
         draft, p, fs = cond_in_place(jnp.all(found | ~running), lookup_only, with_model,
-                                     (lookup.draft, lookup.p, state.draft))
+                                     (lookup.draft, jnp.zeros(shape, jnp.float32), state.draft))
         calls = jnp.where(found, 1, self.k).astype(jnp.int32)
-        return Proposal(draft, p, fs, None, calls)
+        return Proposal(draft, p, fs, None, calls, found)
 
     def check_tree(self, tree: Tree) -> None:
         """The lookup's shapes: trees of branches (`NgramDrafter.check_tree`); or a

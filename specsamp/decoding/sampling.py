@@ -204,12 +204,16 @@ def residual_draw(q: jax.Array, p: jax.Array, u: jax.Array, scale: jax.Array | N
 
 
 def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
-    """The sum of (scale q - p)+ over each row of q, p [..., V] (scale [...]): the mass
-    block verification weighs (`acceptance.block_rule`), a fixed-order sum; on the native
-    kernels for long float32 rows in one pass (`kernels.residual_mass`, the same bits)."""
-    if q.dtype == jnp.float32 and native_rows(q.shape[-1]):
+    """The masses block verification weighs (`acceptance.block_rule`) after the first row:
+    [..., m] = the sum of (scale[..., m] q[..., m + 1, :] - p[..., m + 1, :])+ for m < M,
+    from q [..., Rq, V], p [..., Rp, V], scale [..., M] (Rq, Rp > M); fixed-order sums. On
+    the native kernels for long float32 rows, in one pass a row read where it lies
+    (`kernels.residual_mass`, the same bits)."""
+    m = scale.shape[-1]
+    if q.dtype == jnp.float32 and native_rows(q.shape[-1]) and m > 0:
         return kernels.residual_mass(q, p, scale)
-    return row_sum(jnp.maximum(_scaled(q, scale) - p, 0.0))[..., 0]
+    rows = slice(1, m + 1)
+    return row_sum(jnp.maximum(_scaled(q[..., rows, :], scale) - p[..., rows, :], 0.0))[..., 0]
 
 
 def _scaled(q: jax.Array, scale: jax.Array) -> jax.Array:

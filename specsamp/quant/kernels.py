@@ -196,9 +196,11 @@ def residual_sample(q: jax.Array, p: jax.Array, u: jax.Array, scale: jax.Array) 
 
 
 def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
-    """q, p [..., V], scale [...] -> [...] float32: `sampling.residual_mass`, bit for bit."""
-    return _by_row("specsamp_residual_mass", q, jnp.float32, p.astype(jnp.float32),
-                   scale.astype(jnp.float32))
+    """q [..., Rq, V], p [..., Rp, V], scale [..., M] (Rq, Rp > M) -> [..., M] float32:
+    `sampling.residual_mass`, bit for bit, reading rows 1..M where they lie."""
+    call = jax.ffi.ffi_call("specsamp_residual_mass", jax.ShapeDtypeStruct(scale.shape, jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(q.astype(jnp.float32), p.astype(jnp.float32), scale.astype(jnp.float32))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,

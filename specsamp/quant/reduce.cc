@@ -12,7 +12,9 @@
 //                       positive), drawn from as specsamp_sample draws, without the
 //                       residual's row leaving the kernel; s, one factor per row (block
 //                       verification's P; 1 for the per-token rule, where s q is q)
-//   specsamp_residual_mass  sampling.residual_mass(q, p, s): the tree sum of (s q - p)+
+//   specsamp_residual_mass  sampling.residual_mass(q, p, s): the tree sums of (s_m q_{m+1} -
+//                       p_{m+1})+ for m < M, rows 1..M of q [..., Rq, V] and p [..., Rp, V]
+//                       read where they lie (no sliced copies)
 // The same float32 operations in the same order give the same bits, so whether a program
 // runs these kernels or the XLA operations never changes a probability or a draw; the
 // kernels only cost less. XLA:CPU runs a tree sum over a vocabulary as a padded copy and a
@@ -201,18 +203,25 @@ ffi::Error ResidualSampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 ffi::Error ResidualMassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> p,
                             ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) {
-  int64_t rows, v;
-  if (!row_shape(q, static_cast<int64_t>(scale.element_count()), &rows, &v) ||
-      p.element_count() != q.element_count() || static_cast<int64_t>(out->element_count()) != rows)
-    return ffi::Error::InvalidArgument("residual_mass: expected q and p float32 [..., V >= 1], "
-                                       "scale float32 [...], out float32 [...]");
+  const auto dq = q.dimensions(), dp = p.dimensions(), ds = scale.dimensions();
+  const bool ranks = dq.size() >= 2 && dp.size() == dq.size() && ds.size() == dq.size() - 1;
+  const int64_t v = ranks ? dq.back() : 0, m = ranks ? ds.back() : 0;
+  const int64_t rq = ranks ? dq[dq.size() - 2] : 0, rp = ranks ? dp[dp.size() - 2] : 0;
+  const int64_t lead = m > 0 ? static_cast<int64_t>(scale.element_count()) / m : 0;
+  if (!ranks || v < 1 || m < 1 || dp.back() != v || rq < m + 1 || rp < m + 1 ||
+      static_cast<int64_t>(q.element_count()) != lead * rq * v ||
+      static_cast<int64_t>(p.element_count()) != lead * rp * v ||
+      out->element_count() != scale.element_count())
+    return ffi::Error::InvalidArgument("residual_mass: expected q float32 [..., Rq, V], p float32 "
+                                       "[..., Rp, V], scale float32 [..., M] with Rq, Rp > M >= 1");
   const float* qs = q.typed_data();
   const float* ps = p.typed_data();
   const float* ss = scale.typed_data();
   float* ys = out->typed_data();
-  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+  specsamp::parallel_for(pool, lead * m, [&](int64_t r) {
     thread_local Scratch scratch;
-    ys[r] = residual_mass_row(qs + r * v, ps + r * v, v, ss[r], scratch);
+    const int64_t b = r / m, i = r % m + 1;  // row i of q and p, after the first
+    ys[r] = residual_mass_row(qs + (b * rq + i) * v, ps + (b * rp + i) * v, v, ss[r], scratch);
   });
   return ffi::Error::Success();
 }
