@@ -120,7 +120,10 @@ def _first_rounds(sp, prompts, tree: Tree):
         padded[i, : len(ids)] = ids
     lens = np.array([len(ids) for ids in prompts], np.int32)
     firsts = []
-    for prog in (chain_eng.prog, dataclasses.replace(tree_eng.prog, tree=tree)):
+    # the spine is tested token by token (the first child first), as the per-token chain
+    # rule tests its drafts; block verification keeps a little more (tests/test_block_verification.py)
+    chain_prog = dataclasses.replace(chain_eng.prog, verify="token")
+    for prog in (chain_prog, dataclasses.replace(tree_eng.prog, tree=tree)):
         state = tree_eng.empty(prog, n, tree_eng.slots_for(prompts))
         state, _ = tree_eng.insert(prog, state, padded, lens, np.arange(n, dtype=np.uint32),
                                    np.arange(n, dtype=np.int32), 2)
@@ -143,8 +146,8 @@ def test_spine_in_the_loop_kept_what_the_chain_keeps():
 
 def test_sampled_spine_keeps_as_the_chain_does():
     """Sampling (T = 1): over 6,000 seeds of one prompt, the first round's spine of a 3x1
-    tree keeps 0, 1, 2 draft tokens as often as the K = 2 chain does (the first child is
-    tested first by the chain's rule). A spine read as the tree's kept depth would keep
+    tree keeps 0, 1, 2 draft tokens as often as the K = 2 chain under the per-token rule
+    does (the first child is tested first by that rule). A spine read as the tree's kept depth would keep
     more."""
     (chain_kept, _), (tree_kept, tree_spine) = _first_rounds(
         SamplingParams(1.0), [PROMPT] * 6000, Tree.full((3, 1)))

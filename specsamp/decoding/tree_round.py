@@ -15,7 +15,10 @@ Statistics: a tree round records drafted = N (the nodes scored, the target's ext
 and accepted = the accepted depth (draft tokens kept and appended), so accepted / drafted
 is the share of scored nodes kept; tokens per target call stay the chain's meaning. For
 `--tree auto` it also records what its spine, the first-child chain, kept (`round_spine`):
-the same round's chain, against which the tree's width is measured.
+the same round's chain, against which the tree's width is measured. Sampled, the spine is
+tested token by token (the per-token rule, `--verify token`); a block-verified chain keeps
+a little more in expectation (1-2.5% more tokens per call, docs/measurements.md), so the
+tree's measured width gain is that much generous to the tree.
 """
 
 from __future__ import annotations
