@@ -95,10 +95,14 @@ def test_nucleus_second_tier_and_full_sort_match_reference(scale, lo, hi):
         np.testing.assert_allclose(out, reference_probs(row.tolist(), 1.0, 0, 0.9), atol=1e-6)
 
 
-def test_top_k_and_nucleus_cut_compile_without_a_full_sort():
+def test_top_k_and_nucleus_cut_compile_without_a_full_sort(monkeypatch):
     """XLA:CPU turns a sliced lax.top_k into a sort of the whole row (~7 ms at 49k
     tokens); `sampling.top_k` keeps its fast call. Top-k sampling has no sort at all; with
-    top-p, the only sort is the wide-nucleus fallback's. Catches the barrier removed."""
+    top-p, the only sort is the wide-nucleus fallback's. On the XLA path (several devices,
+    no native kernels; the native one sorts nothing in XLA). Catches the barrier removed."""
+    from specsamp.decoding import sampling
+
+    monkeypatch.setattr(sampling, "NATIVE_ROWS_FROM", 1 << 62)
     logits = jnp.zeros((1, 4096), jnp.float32)
 
     def sorts(sp):
@@ -308,6 +312,65 @@ def test_native_row_kernels_give_the_xla_bits(monkeypatch, n):
     want = np.maximum(np.asarray(ms, np.float64)[..., None] * np.asarray(qs, np.float64)[:, 1:3]
                       - np.asarray(ds, np.float64)[:, 1:3], 0).sum(-1)
     np.testing.assert_allclose(native, want, rtol=1e-4, atol=1e-30)
+
+
+def test_native_top_values_give_the_xla_cuts(monkeypatch):
+    """The top-k threshold and the nucleus's cut on the native kernels (a heap of the
+    largest entries, `specsamp_top_value`, `specsamp_nucleus_cut`) give the bits of XLA's
+    top_k, running sums and cut: rows of a model's shape (a few tokens with most of the
+    mass), ties at the cut, -inf, NaN of either sign and -0 (top_k's total order), k = 1
+    and k = N; top_p set to running masses exactly where a sequential sum comes out below
+    them, so that a kernel summing in another order cuts those rows elsewhere; rows whose
+    nucleus needs the 4,096 tier or the whole row beside rows that the first tier covers
+    (XLA moves every row to the wider tier, the kernel each row alone: the same cuts), and
+    NaN rows. Catches a wrong order of values (the k-th smallest, NaN placed as XLA does
+    not), a heap that skips entries, another summation order, a tier's running sum not
+    continued from the first's total."""
+    _kernels_or_skip()
+    from specsamp.decoding.sampling import _kth_largest, _nucleus, softmax
+    from specsamp.reductions import cumsum
+
+    n = 49152
+    rng = np.random.default_rng(7)
+    logits = np.stack([-s * np.log(rng.permutation(n) + 1.0) for s in (1.8, 1.6, 2.0, 3.0, 1.7, 2.5)])
+    logits[1, rng.choice(n, 40, replace=False)] = logits[1].max()  # 40 tied at the top
+    logits[2, :5000] = -np.inf
+    logits = logits.astype(np.float32)
+    odd = logits[4].copy()
+    odd[[3, 99]] = np.nan
+    odd[[5, 77]] = np.copysign(np.float32(np.nan), -1)  # -NaN: below -inf in top_k's order
+    odd[[6, 8]] = [-0.0, 0.0]
+    bits = lambda a: np.asarray(a).view(np.uint32)
+    rows = jnp.asarray(np.concatenate([logits, odd[None]]))
+    for k in (1, 2, 5, 40, 41, 256, 1000, n):
+        xla, native = _on_both_paths(monkeypatch, lambda a: _kth_largest(a, k), rows)
+        np.testing.assert_array_equal(bits(xla), bits(native))
+        np.testing.assert_array_equal(native[:6, 0], np.sort(logits, axis=1)[:, n - k])
+    assert "specsamp_top_value" in jax.jit(lambda a: _kth_largest(a, 5)).lower(rows).as_text()
+
+    probs = jax.jit(softmax)(jnp.asarray(logits))
+    ranked = np.asarray(jax.jit(lambda p: jax.lax.top_k(p, 256)[0])(probs))
+    top = np.asarray(jax.jit(cumsum)(ranked))
+    # running masses where a sequential sum comes out below: there it keeps one more token
+    seq = np.cumsum(ranked, axis=1, dtype=np.float32)
+    exact = [float(top[r, j]) for r in range(6) for j in range(3, 256) if seq[r, j] < top[r, j] < 0.95][:4]
+    assert len(exact) == 4
+    for top_p in (0.9, 0.5, 0.95, *exact):
+        xla, native = _on_both_paths(monkeypatch, lambda p: _nucleus(p, top_p), probs)
+        np.testing.assert_array_equal(bits(xla), bits(native))
+    assert "specsamp_nucleus_cut" in jax.jit(lambda p: _nucleus(p, 0.9)).lower(probs).as_text()
+    wider = [-1.2 * np.log(rng.permutation(n) + 1.0), rng.standard_normal(n)]  # tiers 2 and 3
+    nan = np.full(n, np.nan, np.float32)  # softmax of a row with a NaN
+    mixed = np.asarray(probs[0]).copy()
+    mixed[[3, 99]] = np.nan
+    mixed[77] = np.copysign(np.float32(np.nan), -1)
+    rows = jnp.concatenate([probs, jax.jit(softmax)(jnp.asarray(np.stack(wider), jnp.float32)),
+                            jnp.asarray(np.stack([nan, mixed]))])
+    for top_p in (0.9, 0.6, exact[0]):
+        xla, native = _on_both_paths(monkeypatch, lambda p: _nucleus(p, top_p), rows)
+        np.testing.assert_array_equal(bits(xla), bits(native))
+        kept = (native[6:8] > 0).sum(axis=1)
+        assert top_p != 0.9 or (kept[0] > 256 and kept[1] > 4096)  # the wider tiers cut these
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)])

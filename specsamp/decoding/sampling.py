@@ -68,12 +68,20 @@ def probs_from_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     logits = logits / sp.temperature
     neg = jnp.finfo(jnp.float32).min
     if 0 < sp.top_k < logits.shape[-1]:
-        kth = top_k(logits, sp.top_k)[0][..., -1:]
-        logits = jnp.where(logits >= kth, logits, neg)
+        logits = jnp.where(logits >= _kth_largest(logits, sp.top_k), logits, neg)
     probs = softmax(logits)
     if sp.top_p < 1.0:
         probs = _nucleus(probs, sp.top_p)
     return probs
+
+
+def _kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """Each row's k-th largest entry, kept ([..., 1]): on the native kernel for long float32
+    rows (a heap of the k largest: ~0.03 ms for 49,152 entries against ~0.1 ms for XLA's
+    TopK; the same bits)."""
+    if x.dtype == jnp.float32 and native_rows(x.shape[-1]):
+        return kernels.top_value(x, k)[..., None]
+    return top_k(x, k)[0][..., -1:]
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -102,6 +110,18 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
     larger ones see bit-identical masses and give bit-identical cuts: which tier ran never
     changes a row's distribution.
     """
+    if probs.dtype == jnp.float32 and native_rows(probs.shape[-1]):
+        # The tiers in one kernel, each row on its own (a heap of the largest entries, the
+        # same running sums and cut: the same bits; ~0.03 ms a row against ~0.15 for XLA)
+        cut = kernels.nucleus_cut(probs, _NUCLEUS_TIERS, top_p)[..., None]
+    else:
+        cut = _nucleus_tiers(probs, top_p)
+    kept = jnp.where(probs >= cut, probs, 0.0)
+    return kept / row_sum(kept)
+
+
+def _nucleus_tiers(probs: jax.Array, top_p: float) -> jax.Array:
+    """`_nucleus`'s cut on the XLA operations, [..., 1]: the tiers of its note."""
     v = probs.shape[-1]
     first = min(_NUCLEUS_TIERS[0], v)
     top = top_k(probs, first)[0]
@@ -126,9 +146,7 @@ def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
         return jax.lax.cond(jnp.all(mass[..., -1] >= top_p) | (k == v),
                             lambda: _smallest_kept(ranked, mass, top_p), lambda: tier(i + 1))
 
-    cut = tier(0)
-    kept = jnp.where(probs >= cut, probs, 0.0)
-    return kept / row_sum(kept)
+    return tier(0)
 
 
 def _smallest_kept(sorted_p: jax.Array, mass: jax.Array, top_p: float) -> jax.Array:

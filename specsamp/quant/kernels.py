@@ -26,7 +26,8 @@ _TARGETS = {"specsamp_qmatmul": "SpecsampQMatmul", "specsamp_attend": "SpecsampA
             "specsamp_attend_tree": "SpecsampAttendTree", "specsamp_argmax": "SpecsampArgmax",
             "specsamp_tree_sum": "SpecsampTreeSum", "specsamp_sample": "SpecsampSample",
             "specsamp_residual_sample": "SpecsampResidualSample",
-            "specsamp_residual_mass": "SpecsampResidualMass"}
+            "specsamp_residual_mass": "SpecsampResidualMass", "specsamp_top_value": "SpecsampTopValue",
+            "specsamp_nucleus_cut": "SpecsampNucleusCut"}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -201,6 +202,23 @@ def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call("specsamp_residual_mass", jax.ShapeDtypeStruct(scale.shape, jnp.float32),
                             vmap_method="broadcast_all")
     return call(q.astype(jnp.float32), p.astype(jnp.float32), scale.astype(jnp.float32))
+
+
+def top_value(x: jax.Array, k: int) -> jax.Array:
+    """x [..., N] -> [...] float32: each row's k-th largest entry, `lax.top_k(x, k)[0][...,
+    k - 1]` bit for bit (its total order: NaN of either sign at the ends)."""
+    call = jax.ffi.ffi_call("specsamp_top_value", jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), k=np.int32(k))
+
+
+def nucleus_cut(probs: jax.Array, tiers: tuple[int, int], top_p: float) -> jax.Array:
+    """probs [..., V] -> [...] float32: `sampling._nucleus_tiers`'s cut with those two
+    tiers, bit for bit (NaN where XLA's is NaN), each row on its own."""
+    call = jax.ffi.ffi_call("specsamp_nucleus_cut", jax.ShapeDtypeStruct(probs.shape[:-1], jnp.float32),
+                            vmap_method="broadcast_all")
+    return call(probs.astype(jnp.float32), first=np.int32(tiers[0]), second=np.int32(tiers[1]),
+                top_p=np.float32(top_p))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,

@@ -15,6 +15,12 @@
 //   specsamp_residual_mass  sampling.residual_mass(q, p, s): the tree sums of (s_m q_{m+1} -
 //                       p_{m+1})+ for m < M, rows 1..M of q [..., Rq, V] and p [..., Rp, V]
 //                       read where they lie (no sliced copies)
+//   specsamp_top_value  the k-th largest entry of each row, lax.top_k(x, k)[0][..., k - 1]
+//                       (the top-k filter's threshold), in lax.top_k's total order
+//   specsamp_nucleus_cut  sampling._nucleus_tiers: the largest probabilities (lax.top_k's
+//                       values), their running sum (reductions.cumsum), and the least one
+//                       whose mass before it is below top_p (sampling._smallest_kept), in
+//                       tiers of 256, 4,096 and all entries
 // The same float32 operations in the same order give the same bits, so whether a program
 // runs these kernels or the XLA operations never changes a probability or a draw; the
 // kernels only cost less. XLA:CPU runs a tree sum over a vocabulary as a padded copy and a
@@ -30,6 +36,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -83,6 +91,7 @@ int64_t first_above(const float* running, const float* increment, int64_t n, flo
 
 struct Scratch {
   std::vector<float> sums, mass, row, increments, tmp, buf, dist, scaled;
+  std::vector<int32_t> keys;
 };
 
 int32_t sample_row(const float* p, int64_t v, float u, Scratch& s) {
@@ -139,6 +148,91 @@ float residual_mass_row(const float* q, const float* p, int64_t v, float scale, 
   float* d = s.dist.data();
   for (int64_t i = 0; i < v; ++i) d[i] = std::max(scale * q[i] - p[i], 0.0f);
   return tree_sum(d, v, s.buf);
+}
+
+// lax.top_k orders floats by IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf <
+// +NaN): a float's bits as an int32 whose magnitude bits are flipped when negative compare
+// in that order as integers. The map is its own inverse.
+inline int32_t order_key(float f) {
+  int32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+inline float from_order_key(int32_t key) {
+  const int32_t b = key ^ ((key >> 31) & 0x7fffffff);
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// lax.top_k(x, k)[0] for x[0..n) (1 <= k <= n): the k largest in total order, descending,
+// into out. A min-heap of the k largest keys so far, entered only by keys above its least;
+// 16 entries at a time are first tested by their largest key, which leaves the heap alone
+// for most of a peaked row. Only values come out, so which of equal ones is kept does not
+// matter.
+void top_values(const float* x, int64_t n, int64_t k, std::vector<int32_t>& heap, float* out) {
+  constexpr int64_t kChunk = 16;
+  heap.resize(k);
+  for (int64_t i = 0; i < k; ++i) heap[i] = order_key(x[i]);
+  std::make_heap(heap.begin(), heap.end(), std::greater<int32_t>());
+  auto enter = [&](int32_t key) {
+    if (key > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<int32_t>());
+      heap.back() = key;
+      std::push_heap(heap.begin(), heap.end(), std::greater<int32_t>());
+    }
+  };
+  int64_t i = k;
+  for (; i + kChunk <= n; i += kChunk) {
+    int32_t keys[kChunk];
+    int32_t most = order_key(x[i]);
+    for (int64_t j = 0; j < kChunk; ++j) {
+      keys[j] = order_key(x[i + j]);
+      most = std::max(most, keys[j]);
+    }
+    if (most > heap.front())
+      for (int64_t j = 0; j < kChunk; ++j) enter(keys[j]);
+  }
+  for (; i < n; ++i) enter(order_key(x[i]));
+  std::sort_heap(heap.begin(), heap.end(), std::greater<int32_t>());  // descending
+  for (int64_t j = 0; j < k; ++j) out[j] = from_order_key(heap[j]);
+}
+
+// sampling._nucleus_tiers for one row: the `first` largest probabilities and their running
+// sum; where that does not reach top_p, the `second` largest, the running sum of those
+// past the first added to the first's total; then the whole row sorted. A tier that reaches
+// top_p (or holds the whole row) gives the cut: the least entry whose mass before it is
+// below top_p (a NaN among them gives NaN, as XLA's min does). Per row, where XLA moves
+// every row of the call to the next tier together: a row covered by a tier has the same
+// cut in every later one (the masses past it are its total plus sums of non-negative
+// entries, never below top_p).
+float nucleus_cut_row(const float* p, int64_t v, int64_t first, int64_t second, float top_p, Scratch& s) {
+  const int64_t f = std::min(first, v);
+  const int64_t tiers[3] = {f, std::min(second, v), v};
+  for (const int64_t k : tiers) {
+    s.row.resize(k);
+    s.mass.resize(k);
+    top_values(p, v, k, s.keys, s.row.data());
+    std::copy(s.row.begin(), s.row.end(), s.mass.begin());
+    cumsum(s.mass.data(), f, s.tmp);
+    if (k > f) {
+      cumsum(s.mass.data() + f, k - f, s.tmp);
+      const float total = s.mass[f - 1];
+      for (int64_t i = f; i < k; ++i) s.mass[i] = total + s.mass[i];
+    }
+    if (!(s.mass[k - 1] >= top_p) && k < v) continue;
+    float cut = INFINITY;
+    for (int64_t i = 0; i < k; ++i) {
+      const float before = i > 0 ? s.mass[i - 1] : 0.0f;
+      if (before < top_p) {
+        if (s.row[i] != s.row[i]) return NAN;
+        cut = std::min(cut, s.row[i]);
+      }
+    }
+    return cut;
+  }
+  return NAN;  // not reached: the last tier holds the whole row
 }
 
 // x [..., N] -> (rows, N), checking that `out` holds one value per row.
@@ -226,7 +320,55 @@ ffi::Error ResidualMassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error TopValueImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out,
+                        int32_t k) {
+  int64_t rows, n;
+  if (!row_shape(x, static_cast<int64_t>(out->element_count()), &rows, &n) || k < 1 || k > n)
+    return ffi::Error::InvalidArgument("top_value: expected x float32 [..., N], out float32 [...], "
+                                       "1 <= k <= N");
+  const float* xs = x.typed_data();
+  float* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local Scratch scratch;
+    scratch.row.resize(k);
+    top_values(xs + r * n, n, k, scratch.keys, scratch.row.data());
+    ys[r] = scratch.row[k - 1];
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error NucleusCutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::ResultBuffer<ffi::F32> out,
+                          int32_t first, int32_t second, float top_p) {
+  int64_t rows, v;
+  if (!row_shape(probs, static_cast<int64_t>(out->element_count()), &rows, &v) || first < 1 || second < first)
+    return ffi::Error::InvalidArgument("nucleus_cut: expected probs float32 [..., V], out float32 [...], "
+                                       "1 <= first <= second");
+  const float* ps = probs.typed_data();
+  float* ys = out->typed_data();
+  specsamp::parallel_for(pool, rows, [&](int64_t r) {
+    thread_local Scratch scratch;
+    ys[r] = nucleus_cut_row(ps + r * v, v, first, second, top_p, scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampTopValue, TopValueImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("k"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampNucleusCut, NucleusCutImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("first")
+                                  .Attr<int32_t>("second")
+                                  .Attr<float>("top_p"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecsampResidualSample, ResidualSampleImpl,
                               ffi::Ffi::Bind()
