@@ -147,8 +147,8 @@ def test_spine_in_the_loop_kept_what_the_chain_keeps():
 def test_sampled_spine_keeps_as_the_chain_does():
     """Sampling (T = 1): over 6,000 seeds of one prompt, the first round's spine of a 3x1
     tree keeps 0, 1, 2 draft tokens as often as the K = 2 chain under the per-token rule
-    does (the first child is tested first by that rule). A spine read as the tree's kept depth would keep
-    more."""
+    does (the first child is tested first by that rule). A spine read as the tree's kept
+    depth would keep more."""
     (chain_kept, _), (tree_kept, tree_spine) = _first_rounds(
         SamplingParams(1.0), [PROMPT] * 6000, Tree.full((3, 1)))
     chain = np.bincount(chain_kept, minlength=3) / len(chain_kept)

@@ -18,7 +18,7 @@ is the share of scored nodes kept; tokens per target call stay the chain's meani
 the same round's chain, against which the tree's width is measured. Sampled, the spine is
 tested token by token (the per-token rule, `--verify token`); a block-verified chain keeps
 a little more in expectation (1-2.5% more tokens per call, docs/measurements.md), so the
-tree's measured width gain is that much generous to the tree.
+tree's measured width gain flatters the tree by that much.
 """
 
 from __future__ import annotations

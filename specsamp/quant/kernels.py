@@ -170,12 +170,13 @@ def argmax(x: jax.Array) -> jax.Array:
     return out.reshape(lead)
 
 
-def _by_row(target: str, x: jax.Array, dtype, *more: jax.Array) -> jax.Array:
+def _by_row(target: str, x: jax.Array, dtype, *more: jax.Array, **attrs) -> jax.Array:
     """One value per row of x [..., N] (float32) from the kernel `target` (reduce.cc), with
-    `more` operands of one value per row; vmapped callers batch into the same call."""
+    `more` operands of one value per row and the kernel's attributes `attrs`; vmapped
+    callers batch into the same call."""
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1], dtype),
                             vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32), *more)
+    return call(x.astype(jnp.float32), *more, **attrs)
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
@@ -207,18 +208,14 @@ def residual_mass(q: jax.Array, p: jax.Array, scale: jax.Array) -> jax.Array:
 def top_value(x: jax.Array, k: int) -> jax.Array:
     """x [..., N] -> [...] float32: each row's k-th largest entry, `lax.top_k(x, k)[0][...,
     k - 1]` bit for bit (its total order: NaN of either sign at the ends)."""
-    call = jax.ffi.ffi_call("specsamp_top_value", jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32),
-                            vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32), k=np.int32(k))
+    return _by_row("specsamp_top_value", x, jnp.float32, k=np.int32(k))
 
 
 def nucleus_cut(probs: jax.Array, tiers: tuple[int, int], top_p: float) -> jax.Array:
     """probs [..., V] -> [...] float32: `sampling._nucleus_tiers`'s cut with those two
     tiers, bit for bit (NaN where XLA's is NaN), each row on its own."""
-    call = jax.ffi.ffi_call("specsamp_nucleus_cut", jax.ShapeDtypeStruct(probs.shape[:-1], jnp.float32),
-                            vmap_method="broadcast_all")
-    return call(probs.astype(jnp.float32), first=np.int32(tiers[0]), second=np.int32(tiers[1]),
-                top_p=np.float32(top_p))
+    return _by_row("specsamp_nucleus_cut", probs, jnp.float32, first=np.int32(tiers[0]),
+                   second=np.int32(tiers[1]), top_p=np.float32(top_p))
 
 
 def attend(layer, q, k, v, positions, k_cache, v_cache, scale: float, window=0,
