@@ -200,6 +200,36 @@ def test_plain_chunks_run_until_slots_free():
     assert policy.calls <= len(PROMPTS) < cont.k_rounds[0] / 2
 
 
+class _PlainFor(_Plain):
+    """K = 0 always, with plain chunks of at most `limit` rounds (`KPolicy.plain_rounds`);
+    records each chunk's rounds."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit, self.rounds = limit, []
+
+    def plain_rounds(self, chunk):
+        return max(self.limit, chunk)
+
+    def observe(self, shape, seconds, rounds, slots, modelled=None):
+        self.rounds.append(rounds)
+
+
+def test_plain_chunks_run_as_long_as_the_policy_says():
+    """A policy that will revisit a close plain call after so many rounds bounds its plain
+    chunks to them (at batch 1 a chunk would otherwise run to the end of its row): every
+    chunk runs at most that many rounds, and the tokens are plain decoding's. Catches a
+    runner that ignores the bound."""
+    sp = SamplingParams(0.0)
+    ar = _eos_engine(sp, "none", 1, max_new=20).run(PROMPTS[:1], SEEDS[:1])
+    policy = _PlainFor(2)
+    cont = switching(_eos_engine(sp, "model", 3, max_new=20), (0, 3), policy)
+    got = cont.run(PROMPTS[:1], SEEDS[:1], batching=Continuous(1, chunk_rounds=1))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert max(policy.rounds) == 2 and sum(policy.rounds) == cont.k_rounds[0] >= 5
+    assert policy.calls == len(policy.rounds)
+
+
 def test_a_run_the_policy_keeps_plain_goes_without_the_drafter(monkeypatch):
     """A K policy whose measured rounds make drafting dear puts fresh rows at K = 0, and a
     plain run never changes that: the run then inserts and decodes without the drafter (no

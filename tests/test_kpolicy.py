@@ -172,23 +172,46 @@ def test_a_small_predicted_gain_keeps_plain_rounds():
 def test_a_close_plain_call_is_revisited_and_a_clear_one_is_not():
     """Plain rounds test no draft, so a plain choice made on unlucky estimates would stand
     for ever (a run at batch 1 once went plain after one hard prompt and stayed plain for
-    the rest of its 32). After `revisit` plain choices in a row, a chunk runs at the best
-    drafted K where it is predicted within `close` of plain rounds; where drafting loses
-    clearly it never does. Runs without the drafter (`fresh_choice` at K = 0) count as
-    plain choices, and the run after them keeps the drafter for its revisit. Catches a
-    policy that never revisits, one that revisits clear losses, and a revisit that fresh
-    runs skip."""
+    the rest of its 32). After `revisit` plain rounds in a row, a chunk runs at the best
+    drafted K where it is predicted within `close` of plain rounds, and a close plain
+    chunk runs no longer than that (at batch 1 it would otherwise run to the end of its
+    row); where drafting loses clearly it never does and plain chunks run on. Rounds of
+    runs without the drafter (`fresh_choice` at K = 0) count too, and the run after them
+    keeps the drafter for its revisit. Catches a policy that never revisits, one that
+    revisits clear losses, one that counts choices instead of rounds, and a revisit that
+    fresh runs skip."""
     ks = (0, 1)
     row, tested = np.array([20.0]), np.array([100.0])  # alpha ~0.21: K = 1 ~1.005x plain
+
+    def chunks(policy, rounds):
+        """Each choice, then its chunk's rounds as the runner would run them."""
+        got = []
+        for _ in range(rounds):
+            k = ks[policy(row, tested)]
+            ran = 16 if k else policy.plain_rounds(16)
+            got.append((k, ran))
+            policy.observe(k, policy.curve.rounds[k] * (ran or 1000), ran or 1000, slots=1)  # as priced
+        return got
+
     close = KPolicy(CostCurve(1, {0: 1.0, 1: 1.2}), ks)
-    assert [ks[close(row, tested)] for _ in range(10)] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert chunks(close, 5) == [(0, 64), (1, 16), (0, 64), (1, 16), (0, 64)]
+    close.plain_run = 0
+    close.observe(0, 40.0, 40, slots=8)  # a chunk cut short by a refill: 24 rounds to go
+    assert ks[close(row, tested)] == 0 and close.plain_rounds(16) == 24
+    close.observe(0, 24.0, 24, slots=8)
+    assert ks[close(row, tested)] == 1
     clear = KPolicy(CostCurve(1, {0: 1.0, 1: 3.0}), ks)
-    assert [ks[clear(row, tested)] for _ in range(10)] == [0] * 10
+    assert chunks(clear, 4) == [(0, None)] * 4
     # fresh rows at the prior alpha 0.5: K = 1 predicted 1.03x plain, within the margin
     fresh = KPolicy(CostCurve(1, {0: 1.0, 1: 1.45}), ks)
-    assert [ks[fresh.fresh_choice()] for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert ks[fresh.fresh_choice()] == 0
+    fresh.observe(0, 40.0, 40, slots=1)  # a run without the drafter, 40 rounds
+    assert ks[fresh.fresh_choice()] == 0
+    fresh.observe(0, 40.0, 40, slots=1)
+    assert ks[fresh.fresh_choice()] == 1
     assert ks[fresh(np.zeros(1), np.zeros(1))] == 1  # the revisit runs in that run's first chunk
-    assert ks[fresh.fresh_choice()] == 0 and fresh.chosen == [1]
+    fresh.observe(1, 1.45 * 16, 16, slots=1)
+    assert fresh.plain_run == 0 and fresh.chosen == [1]  # a drafted chunk restarts the count
 
 
 def test_timed_chunks_correct_the_cost_curve():

@@ -94,12 +94,8 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         run.compact()
         shape = run.choose_k()
         prog, k = shape_program(run.prog, shape)  # a chain's K, or a tree's program and depth
-        # Plain chunks under a K policy teach it nothing (no draft is tested), so it would
-        # choose K = 0 again: they run on until slots free up, as an autoregressive engine
-        # does (unless stop strings need the host every chunk_rounds rounds).
-        plain_on = k == 0 and engine.policy is not None and should_stop is None
         run.state, rounds, seconds = engine.generate(
-            prog, k, run.state, eos, stops, max_rounds=_NEVER if plain_on else batching.chunk_rounds,
+            prog, k, run.state, eos, stops, max_rounds=run.chunk_rounds(k, should_stop is not None),
             refill_at=run.refill_at())
         run.compile_s += seconds
         t0 += run.compile_s - compiling  # compiling is not decoding (`compile_s` column)
@@ -203,6 +199,18 @@ class _Run:
         self.slot_row = [self.slot_row[s] for s in order]
         self.calls, self.accepted, self.tested, self.reason = (
             a[order] for a in (self.calls, self.accepted, self.tested, self.reason))
+
+    def chunk_rounds(self, k: int, stop_strings: bool) -> int:
+        """Rounds the next chunk, at `k`, runs at most (it also returns where `refill_at`
+        says). Plain chunks under a K policy teach it nothing (no draft is tested), so it
+        would choose K = 0 again: they run on until slots free up, as an autoregressive
+        engine does, or for as long as the policy says (`KPolicy.plain_rounds`: a close call
+        is revisited after so many plain rounds); stop strings need the host every chunk."""
+        chunk, policy = self.batching.chunk_rounds, self.engine.policy
+        if k != 0 or policy is None or stop_strings:
+            return chunk
+        limit = policy.plain_rounds(chunk) if self.prog.drafter is not None and hasattr(policy, "plain_rounds") else None
+        return _NEVER if limit is None else limit
 
     def choose_k(self):
         """The next chunk's shape, a K or a Tree: the engine's fixed K, or its policy's

@@ -35,7 +35,10 @@ them. A tree runs only where predicted faster than the best chain by `tree_margi
 
 Plain rounds test no draft, so a choice of plain rounds could never be undone by what the
 run shows. Where it was a close call (the best drafted shape predicted within `close`),
-every `revisit` plain choices in a row one chunk drafts again (`KPolicy._revisited`).
+after `revisit` plain rounds in a row one chunk drafts again (`KPolicy._revisit_due`); a
+plain chunk runs no further than that (`KPolicy.plain_rounds`), so that a wrong call costs
+the same few rounds at batch 1, where a chunk would otherwise run to the end of its row,
+as at batch 32.
 
 A chain K that has not run yet and is predicted within `close` of the choice runs one chunk
 first (`KPolicy._explore`), as an untried tree does: its round seconds otherwise rest on
@@ -134,10 +137,13 @@ class KPolicy:
     gain_weight: float = 32.0
     # Plain rounds test no draft, so a choice of plain rounds made on few or unlucky
     # tested tokens (a hard prompt, a slow spell during the cost curve's measurement)
-    # would never be revisited. After `revisit` plain choices in a row, where the best
-    # drafted shape is predicted within `close` of plain rounds, one chunk runs at that
-    # shape so that its estimate can move; a clear loss is not re-tested.
-    revisit: int = 4
+    # would never be revisited. After `revisit` plain rounds in a row (chunks, or runs
+    # without the drafter), where the best drafted shape is predicted within `close` of
+    # plain rounds, one chunk runs at that shape so that its estimate can move; a clear
+    # loss is not re-tested. Counted in rounds, not choices: at batch 1 a plain chunk
+    # ran to the end of its row, and 4 choices were 4 rows (a third of a T = 1 run's
+    # rounds went plain where K = 2 was 14% faster).
+    revisit: int = 64
     close: float = 0.10
     # The curve is a few rounds per shape timed once, on a machine whose speed and load
     # drift: its figures for one shape moved by 15-50% between measurements minutes apart
@@ -158,7 +164,8 @@ class KPolicy:
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
         self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
-        self.plain_run = 0  # plain choices in a row (`revisit`)
+        self.plain_run = 0  # plain rounds in a row (`revisit`), counted by `observe`
+        self.plain_for: int | None = None  # rounds the chosen plain chunk runs (`plain_rounds`)
         self.timed: dict = {}  # shape key -> [seconds, rounds, modelled rounds] of timed chunks
         self.chain_run = 0  # drafted-chain choices since the last re-run (`reexplore`)
         # Finished rows that tested a draft token: their count, and the sums over them of
@@ -193,7 +200,8 @@ class KPolicy:
         """A chunk of `rounds` rounds of `shape` over `slots` slots took `seconds`; by what
         they emitted, they were `modelled` rounds of the kind this policy predicts tokens
         for (`batching.modelled_rounds`: a hybrid's wide lookup rounds count for more;
-        default `rounds`)."""
+        default `rounds`). Plain rounds in a row count towards `revisit` at any slots."""
+        self.plain_run = self.plain_run + rounds if shape_key(shape) == 0 else 0
         if rounds > 0 and slots == self.curve.batch:
             timed = self.timed.setdefault(shape_key(shape), [0.0, 0, 0.0])
             timed[0] += seconds
@@ -269,10 +277,16 @@ class KPolicy:
         spines would have), with trees. Returns an index into `shapes`; a tree not yet run
         is chosen once wherever drafting is."""
         best, speeds = self._choice(accepted, tested, depth, tree_tokens)
-        best = self._revisited(best, speeds)
+        due = self._revisit_due(best, speeds)
+        best = best if due is None else due
         if self.shapes[best] != 0:
             best = self._explore(best, speeds)
             best = self._reexplored(best, speeds)
+            # a re-run of plain rounds times them (one chunk); a close plain call runs
+            # until its revisit is due; a clear one until the batch changes
+            self.plain_for = 0 if self.shapes[best] == 0 else None
+        else:
+            self.plain_for = max(self.revisit - self.plain_run, 0) if self._close(speeds) else None
         self.explored.add(best)
         self.chosen.append(shape_key(self.shapes[best]))
         return best
@@ -306,32 +320,39 @@ class KPolicy:
         self.chain_run = 0
         return min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
 
+    def plain_rounds(self, chunk: int) -> int | None:
+        """The rounds a plain chunk the policy just chose runs at most before it is asked
+        again (at least `chunk`), or None: until the batch changes (a clear plain call,
+        which is never revisited)."""
+        return None if self.plain_for is None else max(self.plain_for, chunk)
+
     def fresh_choice(self, depth=None, tree_tokens=None) -> int:
         """The index for rows none of which has tested a draft token yet (each at the
         pooled prior); not in `chosen`. A run this puts at K = 0 runs without the drafter
         (`batching.steps`): plain rounds test no draft, so its chunks' choices could not
-        change. Such a run counts as a plain choice towards `revisit`, so that a later
-        run comes back to drafting (its first chunk) where the call was close."""
+        change. Its rounds count towards `revisit` (`observe`), so that a later run comes
+        back to drafting (its first chunk) where the call was close."""
         best, speeds = self._choice(np.zeros(1), np.zeros(1), depth, tree_tokens)
         due = self._revisit_due(best, speeds)
-        if self.shapes[best] == 0:
-            self.plain_run += 1
-        return best if due is None else due
-
-    def _revisited(self, best: int, speeds: list[float]) -> int:
-        """`best`, or the best drafted shape where `revisit` plain choices in a row came
-        before and it is predicted within `close` of plain rounds."""
-        due = self._revisit_due(best, speeds)
-        self.plain_run = self.plain_run + 1 if self.shapes[best] == 0 and due is None else 0
         return best if due is None else due
 
     def _revisit_due(self, best: int, speeds: list[float]) -> int | None:
-        """The drafted shape a revisit is due at instead of `best`, or None."""
-        if self.shapes[best] != 0 or self.plain_run < self.revisit:
+        """The drafted shape a revisit is due at instead of `best`, or None: the best one,
+        where `revisit` plain rounds in a row ran and it is predicted within `close` of
+        plain rounds."""
+        if self.shapes[best] != 0 or self.plain_run < self.revisit or not self._close(speeds):
             return None
-        top = max((i for i, shape in enumerate(self.shapes) if shape != 0), key=speeds.__getitem__,
-                  default=None)
-        return top if top is not None and speeds[top] >= (1 - self.close) * speeds[best] else None
+        return self._best_drafted(speeds)
+
+    def _best_drafted(self, speeds: list[float]) -> int | None:
+        return max((i for i, shape in enumerate(self.shapes) if shape != 0), key=speeds.__getitem__,
+                   default=None)
+
+    def _close(self, speeds: list[float]) -> bool:
+        """Whether the best drafted shape is predicted within `close` of plain rounds."""
+        top = self._best_drafted(speeds)
+        plain = speeds[self.shapes.index(0)] if 0 in self.shapes else 0.0
+        return top is not None and speeds[top] >= (1 - self.close) * plain
 
     def _choice(self, accepted, tested, depth, tree_tokens=None) -> tuple[int, list[float]]:
         """(the index of the predicted fastest shape, every shape's predicted speed)."""
