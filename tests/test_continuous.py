@@ -141,7 +141,7 @@ class _Observed:
     def __call__(self, accepted, tested, depth):
         return 0
 
-    def observe(self, shape, seconds, rounds, slots, modelled=None):
+    def observe(self, shape, seconds, rounds, slots, modelled=None, counted=None):
         self.chunks.append((rounds, modelled))
 
 
@@ -211,7 +211,7 @@ class _PlainFor(_Plain):
     def plain_rounds(self, chunk):
         return max(self.limit, chunk)
 
-    def observe(self, shape, seconds, rounds, slots, modelled=None):
+    def observe(self, shape, seconds, rounds, slots, modelled=None, counted=None):
         self.rounds.append(rounds)
 
 

@@ -290,6 +290,41 @@ def test_an_untimed_chain_close_to_the_choice_runs_once():
     assert 4 not in other.chosen
 
 
+def test_chunks_that_emit_more_than_predicted_raise_their_k():
+    """Two chains priced alike by the rates model (K = 2 a little below K = 1 here) whose
+    K = 2 rounds keep more than the model predicts (as a hybrid's K >= 3 rounds do, their
+    lookup rounds being left out of the rates): chunks the policy chose at K = 2 that
+    emitted 1.2x the predicted tokens move the choice to K = 2; chunks that emitted what
+    was predicted leave it; a chunk the policy did not choose (another caller's K) and a
+    plain chunk teach nothing. Catches a policy that ignores what its rounds emitted, and
+    one that calibrates by chunks it did not predict."""
+    ks = (0, 1, 2)
+    curve = CostCurve(1, {0: 1.0, 1: 1.3, 2: 1.62})
+    row, tested = np.array([60.0]), np.array([100.0])
+
+    def run(factor, chunks=8):
+        policy = KPolicy(curve, ks, reexplore=1000)
+        got = []
+        for _ in range(chunks):
+            k = ks[policy(row, tested)]
+            got.append(k)
+            alpha = policy.alphas(row, tested)
+            predicted = float(expected_tokens(alpha, k)[0])
+            policy.observe(k, curve.rounds[k] * 16, 16, slots=1, counted=(predicted * 16 * (factor if k == 2 else 1), 16))
+        return policy, got
+
+    assert float(expected_tokens(np.array([0.6]), 2)[0]) / 1.62 < float(expected_tokens(np.array([0.6]), 1)[0]) / 1.3
+    keep, got = run(1.0)
+    assert got[-4:] == [1] * 4 and keep.calibration(2) == pytest.approx(1.0)
+    more, got = run(1.2)
+    assert 2 in got[:2] and got[-4:] == [2] * 4 and more.calibration(2) > 1.1
+    other = KPolicy(curve, ks)
+    other.observe(2, 1.62 * 16, 16, slots=1, counted=(100.0, 16))  # not chosen by it
+    other(row, tested)
+    other.observe(0, 16.0, 16, slots=1, counted=(16.0, 16))
+    assert other.calibrated == {}
+
+
 def test_a_chunk_counts_as_the_rounds_its_tokens_are_worth():
     """Two rows over a chunk of 4 rounds: row 0 ran 4 modelled rounds (2, 1, 2, 1 tokens),
     row 1 a wide round (3 tokens), a modelled one (1) and another wide one (4), then ended.

@@ -103,9 +103,9 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         engine.k_rounds[shape_key(shape)] += rounds
         engine.slot_rounds[len(run.slot_row)] += rounds
         engine.decode_s += seconds
-        modelled = run.charge_decode(seconds, rounds, shape)
+        modelled, counted = run.charge_decode(seconds, rounds, shape)
         if hasattr(engine.policy, "observe"):
-            engine.policy.observe(shape, seconds, rounds, len(run.slot_row), modelled)
+            engine.policy.observe(shape, seconds, rounds, len(run.slot_row), modelled, counted)
         if should_stop is not None:
             run.apply_stop_strings(should_stop)
         run.collect()
@@ -291,7 +291,8 @@ class _Run:
         guesses, would make the policy overrate the larger K.
 
         Returns the chunk's rounds counted by what they emitted, in rounds of the kind the
-        policy models (`modelled_rounds`)."""
+        policy models (`modelled_rounds`), and (tokens, row-rounds) of the rounds the
+        policy models (a tree's: its spines'; `KPolicy.calibration`)."""
         tree = None if isinstance(shape, int) else shape
         k, scored = (shape, shape) if tree is None else (len(tree.spine), tree.size)
         self.totals[1] += seconds
@@ -319,7 +320,7 @@ class _Run:
         for total, part in zip(depth, depth_counts(log[counted], k, len(depth[0]))):
             total += part
         self.calls = calls.astype(np.int64)
-        return modelled
+        return modelled, (float((1 + log[counted]).sum()), int(counted.sum()))
 
     def acceptance(self) -> tuple:
         """(accepted, tested) draft tokens so far of each running row, and the engine's

@@ -101,8 +101,9 @@ def fixed_k(k: int) -> KChoice:
 
 # `--k auto`: the K values the policy switches between (one compiled round program each),
 # and wide lookup rounds of 3 tokens on 3-token matches in chunks of a smaller K
-# (`HybridDrafter.wide`; docs/measurements.md gives the replay behind these values).
-AUTO_K = KChoice((0, 1, 2, 4), auto=True, wide=3)
+# (`HybridDrafter.wide`; docs/measurements.md gives the replay behind these values). K = 3
+# is the best fixed chain at T = 0.7 top-p 0.9 on this CPU (docs/throughput.md).
+AUTO_K = KChoice((0, 1, 2, 3, 4), auto=True, wide=3)
 
 
 # `--tree auto`: the tree shapes the policy weighs beside AUTO_K's chains (one compiled
