@@ -209,7 +209,8 @@ class _Run:
         chunk, policy = self.batching.chunk_rounds, self.engine.policy
         if k != 0 or policy is None or stop_strings:
             return chunk
-        limit = policy.plain_rounds(chunk) if self.prog.drafter is not None and hasattr(policy, "plain_rounds") else None
+        asks = self.prog.drafter is not None and hasattr(policy, "plain_rounds")  # else not asked
+        limit = policy.plain_rounds(chunk) if asks else None
         return _NEVER if limit is None else limit
 
     def choose_k(self):

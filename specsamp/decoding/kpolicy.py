@@ -219,13 +219,14 @@ class KPolicy:
         chunk. Plain rounds in a row count towards `revisit` at any slots."""
         key = shape_key(shape)
         self.plain_run = self.plain_run + rounds if key == 0 else 0
-        if counted is not None and counted[1] > 0 and self.predicted is not None and self.predicted[0] == key != 0:
+        chose = self.predicted is not None and self.predicted[0] == key != 0
+        if chose and counted is not None and counted[1] > 0:
             tally = self.calibrated.setdefault(self.predicted[1], [0.0, 0.0])
             tally[0] += counted[0]
             tally[1] += self.predicted[2] * counted[1]
         self.predicted = None
         if rounds > 0 and slots == self.curve.batch:
-            timed = self.timed.setdefault(shape_key(shape), [0.0, 0, 0.0])
+            timed = self.timed.setdefault(key, [0.0, 0, 0.0])
             timed[0] += seconds
             timed[1] += rounds
             timed[2] += rounds if modelled is None else modelled
@@ -328,7 +329,8 @@ class KPolicy:
         self.explored.add(best)
         self.chosen.append(shape_key(self.shapes[best]))
         k = self.chain_length(self.shapes[best])
-        self.predicted = (shape_key(self.shapes[best]), k, float(np.mean(self.model_tokens(k, *self._estimates))))
+        tokens = float(np.mean(self.model_tokens(k, *self._estimates)))
+        self.predicted = (shape_key(self.shapes[best]), k, tokens)
         return best
 
     def _explore(self, best: int, speeds: list[float]) -> int:
@@ -385,6 +387,7 @@ class KPolicy:
         return self._best_drafted(speeds)
 
     def _best_drafted(self, speeds: list[float]) -> int | None:
+        """The index of the drafted shape (chain or tree) predicted fastest, None if none."""
         return max((i for i, shape in enumerate(self.shapes) if shape != 0), key=speeds.__getitem__,
                    default=None)
 
