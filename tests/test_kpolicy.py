@@ -5,7 +5,8 @@ import pytest
 
 from specsamp.decoding.batching import modelled_rounds
 from specsamp.decoding.costs import CostCurve
-from specsamp.decoding.kpolicy import KPolicy, depth_counts, expected_tokens_by_position
+from specsamp.decoding.kpolicy import KPolicy
+from specsamp.decoding.position_rates import depth_counts, expected_tokens_by_position
 from specsamp.decoding.stats import expected_tokens
 
 KS = (0, 1, 2, 4)

@@ -18,7 +18,8 @@ from specsamp.decoding import tree_draft
 from specsamp.decoding.config import AUTO_TREES, TREE_AUTO, KChoice, SamplingParams, parse_tree, trees_for
 from specsamp.decoding.costs import CostCurve
 from specsamp.decoding.engine import Continuous, Engine
-from specsamp.decoding.kpolicy import KPolicy, depth_counts, expected_tokens_by_position
+from specsamp.decoding.kpolicy import KPolicy
+from specsamp.decoding.position_rates import depth_counts, expected_tokens_by_position
 from specsamp.decoding.tree_acceptance import accept_tree_greedy_batch, spine_kept, spine_kept_greedy
 from specsamp.decoding.config import tree_widths
 from specsamp.decoding.tree import Tree

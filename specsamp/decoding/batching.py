@@ -32,7 +32,7 @@ import numpy as np
 from specsamp.decoding.decode import Program, prefill_chunks
 from specsamp.decoding.config import shape_key
 from specsamp.decoding.costs import shape_program
-from specsamp.decoding.kpolicy import depth_counts
+from specsamp.decoding.position_rates import depth_counts
 from specsamp.decoding.rounds import RawSample, from_log, round_logs
 from specsamp.decoding.shapes import prefill_groups, prompt_bucket, width_for
 from specsamp.decoding.state import MAX_TOKENS, RUNNING, STOP, STOP_REASONS

@@ -14,10 +14,11 @@ neighbours). How strongly is read from the rows that finished (`row_prior_weight
 empirical Bayes): rows whose rates differ little pool strongly, so that a row's unlucky
 first chunks do not put it on plain rounds for the rest of it (at T = 1 on HumanEval the
 old fixed weight of 4 ran 70% of rounds plain where a fixed K = 2 gained 10%). Deeper
-draft positions need not be kept as often as the first (a trained draft's chained guesses are worse than its first): the rate of each position d given the
-ones before it, pooled over every row the engine ran, scales the row's rate there
-(`depth_counts`, `expected_tokens_by_position`); before any round tested position d it is
-taken to be the first position's, the plain model.
+draft positions need not be kept as often as the first (a trained draft's chained guesses
+are worse than its first): the rate of each position d given the ones before it, pooled
+over every row the engine ran, scales the row's rate there
+(`specsamp.decoding.position_rates`); before any round tested position d it is taken to
+be the first position's, the plain model.
 
 Token trees (`--tree auto`, `KChoice.trees`): beside the chains the policy weighs a few
 tree shapes, each with its own measured round seconds. A tree's spine (its first-child
@@ -78,44 +79,10 @@ import numpy as np
 
 from specsamp.decoding.config import shape_key
 from specsamp.decoding.costs import CostCurve, cost_curve
+from specsamp.decoding.position_rates import expected_tokens_by_position, shrunk_rates
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
 from specsamp.decoding.tree import Tree
-
-
-def depth_counts(accepted_per_loop, drafted, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(accepted, tested) draft tokens of loops by position in the draft (index d - 1 for
-    position d, d <= k): a loop of draft length K (`drafted`: one per loop, or one for all)
-    that kept n draft tokens tested positions 1..min(n + 1, K) and accepted 1..n."""
-    loops = np.asarray(accepted_per_loop, int)
-    lengths = np.broadcast_to(np.asarray(drafted, int), loops.shape)
-    d = np.arange(1, k + 1)[None, :]
-    accepted = (d <= loops[:, None]).sum(axis=0).astype(float)
-    tested = (d <= np.minimum(loops + 1, lengths)[:, None]).sum(axis=0).astype(float)
-    return accepted, tested
-
-
-def shrunk_rates(accepted, tested, weight: float) -> np.ndarray:
-    """Each position's rate given the ones before it, from pooled (accepted, tested) [D]:
-    the first position's with a uniform prior; deeper ones shrunk toward it with `weight`
-    pseudo-observations (untested: the first position's)."""
-    accepted, tested = np.asarray(accepted, float), np.asarray(tested, float)
-    first = (accepted[0] + 1.0) / (tested[0] + 2.0)
-    rate = (accepted + weight * first) / (tested + weight)
-    rate[0] = first
-    return rate
-
-
-def expected_tokens_by_position(a, rates, k: int):
-    """E[tokens per round] when draft position d is kept with probability a * rates[d - 1]
-    given the positions before it were: 1 + the sum over j <= K of the products up to j
-    (all rates 1: the geometric sum of `expected_tokens`). `a`: a float or a numpy array."""
-    a = np.asarray(a, float)
-    total, kept = np.ones_like(a), np.ones_like(a)  # one token per row at K = 0
-    for d in range(k):
-        kept = kept * np.minimum(a * rates[d], 0.999)
-        total = total + kept
-    return total
 
 
 @dataclasses.dataclass
