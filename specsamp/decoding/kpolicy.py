@@ -59,7 +59,11 @@ rates, and a chain predicted below the choice is never run again, so the estimat
 keep it out would never move: every `reexplore` drafted-chain choices, one chunk
 runs at the other drafted chain (the least run so far) predicted within `reexplore_within`
 of the choice (`KPolicy._reexplored`), or at plain rounds if the run has not timed any
-(a curve that overprices them would otherwise keep a losing K for good). The curve times
+(a curve that overprices them would otherwise keep a losing K for good). Each re-run that
+leaves the choice where it was doubles the wait for the next (up to `reexplore_max`
+choices); a new choice brings it back to `reexplore`. Without that a long run paid the
+re-runs for good: one chunk in nine at a chain 10-15% slower (K = 4, K = 2 greedy at
+batch 1) over a worker's millions of rows. The curve times
 rounds in which a lookup drafter finds no match, the dearer kind, which overprices long
 chains most; a chunk's timed rounds correct that only for the K values that run.
 
@@ -133,11 +137,13 @@ class KPolicy:
     # not count.
     cost_weight: float = 16.0
     # See the module's note: a chain K whose one exploring chunk (or a dear curve) left it
-    # predicted below the choice runs one more chunk every `reexplore` drafted-chain
+    # predicted below the choice runs one more chunk after `reexplore` drafted-chain
     # choices, where it is predicted within `reexplore_within` of the choice; a clear loss
-    # is not re-run.
+    # is not re-run. The wait doubles with each re-run that leaves the choice as it was,
+    # up to `reexplore_max` choices, and starts again at `reexplore` when the choice moves.
     reexplore: int = 8
     reexplore_within: float = 0.25
+    reexplore_max: int = 64
 
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
@@ -149,6 +155,8 @@ class KPolicy:
         self._estimates: tuple = (np.full(1, 0.5), None)  # the last choice's (alpha, rates)
         self.timed: dict = {}  # shape key -> [seconds, rounds, modelled rounds] of timed chunks
         self.chain_run = 0  # drafted-chain choices since the last re-run (`reexplore`)
+        self.reexplore_wait = self.reexplore  # choices between re-runs (doubles, `reexplore_max`)
+        self.settled: int | None = None  # the drafted chain the wait was counted for
         # Finished rows that tested a draft token: their count, and the sums over them of
         # accepted, tested and accepted^2 / tested (what `row_prior_weight` reads; a
         # worker's engine may finish millions of rows, so no list of them).
@@ -310,13 +318,17 @@ class KPolicy:
         return fresh[0] if fresh else best
 
     def _reexplored(self, best: int, speeds: list[float]) -> int:
-        """`best`, or, at every `reexplore`-th drafted-chain choice, the other
-        drafted chain predicted within `reexplore_within` of it that ran fewest chunks
-        (plain rounds among them until a chunk of them was timed)."""
+        """`best`, or, once `reexplore_wait` drafted-chain choices ran since the last
+        re-run, the other drafted chain predicted within `reexplore_within` of it that ran
+        fewest chunks (plain rounds among them until a chunk of them was timed). The wait
+        doubles with each re-run (`reexplore_max` at most) while the choice stays; a new
+        choice starts it again at `reexplore`."""
         if best >= len(self.ks) or best not in self.explored:  # a tree, or a first run
             return best
+        if best != self.settled:  # counted afresh for a new choice
+            self.settled, self.reexplore_wait, self.chain_run = best, self.reexplore, 0
         self.chain_run += 1
-        if self.chain_run < self.reexplore:
+        if self.chain_run < self.reexplore_wait:
             return best
         # plain rounds too while none was timed: a curve that overprices them (it priced
         # plain rounds at 2x their cost, K = 1 at 1.4x, in a run at batch 32 where K = 1
@@ -327,6 +339,7 @@ class KPolicy:
         if not others:
             return best
         self.chain_run = 0
+        self.reexplore_wait = min(2 * self.reexplore_wait, self.reexplore_max)
         return min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
 
     def plain_rounds(self, chunk: int) -> int | None:
