@@ -242,12 +242,14 @@ def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
     could move (a run at batch 1 kept K = 1 for 99% of its rounds where the fixed K = 2 was
     5% faster). Every `reexplore`-th drafted-chain choice runs the other chain predicted
     within `reexplore_within` that ran fewest chunks; a clear loss never runs, first runs
-    and plain rounds do not count. The wait doubles with each re-run while the choice
-    stays (8, 16, 32, then `reexplore_max` = 64 choices: a long run at batch 1 otherwise
+    and plain rounds do not count. Once the chain a re-run picks has run
+    `reexplore_evidence` = 3 chunks, the wait doubles with each re-run while the choice
+    stays (16, 32, then `reexplore_max` = 64 choices: a long run at batch 1 otherwise
     spent one chunk in nine on chains 10-15% slower for good) and starts again at 8 when
     the choice moves. Catches a policy that never re-runs a chain, one that re-runs clear
-    losses, one that always re-runs the same chain, one whose re-runs never thin out and
-    one that keeps a long wait after its choice moved."""
+    losses, one that always re-runs the same chain, one whose re-runs never thin out, one
+    that thins them out on a single chunk's evidence and one that keeps a long wait after
+    its choice moved."""
     def fixed(speeds):
         policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0}), KS)
         policy._choice = lambda *args: (KS.index(1), list(speeds))
@@ -255,14 +257,16 @@ def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
 
     rows = np.array([50.0]), np.array([100.0])
     close = fixed([1.0, 2.0, 1.7, 1.2])  # K = 2 15% below K = 1, K = 4 40% below
-    got = [KS[close(*rows)] for _ in range(25)]
-    assert got == [1] * 8 + [2] + [1] * 15 + [2]  # the first K = 1 chunk is a first run
+    got = [KS[close(*rows)] for _ in range(150)]
+    assert got[:9] == [1] * 8 + [2]  # the first K = 1 chunk is a first run
+    assert [i for i, k in enumerate(got) if k != 1] == [8, 16, 24, 40, 72, 136]
+    assert set(got) == {1, 2}
     clear = fixed([1.0, 2.0, 1.4, 1.2])
     assert [KS[clear(*rows)] for _ in range(20)] == [1] * 20
     both = fixed([1.0, 2.0, 1.7, 1.6])  # K = 2 and K = 4 both close: they take turns
     got = [KS[both(*rows)] for _ in range(200)]
-    assert [i for i, k in enumerate(got) if k != 1] == [8, 24, 56, 120, 184]
-    assert [k for k in got if k != 1] == [2, 4, 2, 4, 2]
+    assert [i for i, k in enumerate(got) if k != 1] == [8, 16, 24, 32, 40, 56, 88, 152]
+    assert [k for k in got if k != 1] == [2, 4] * 4
     both._choice = lambda *args: (KS.index(2), [1.0, 1.7, 2.0, 1.6])  # the choice moves to K = 2
     got = [KS[both(*rows)] for _ in range(8)]
     assert got == [2] * 7 + [4]  # the 8th choice after the move; K = 4 ran fewer chunks than K = 1
@@ -457,5 +461,5 @@ def test_plain_rounds_overpriced_by_the_curve_run_once_and_win():
     assert [KS[settled(rows, tested)] for _ in range(20)] == [1] * 20
     far = KPolicy(CostCurve(32, {0: 0.096, 1: 0.132, 2: 0.23, 4: 0.36}), KS)
     far._choice = lambda *args: (KS.index(1), [1.0, 1.2, 0.5, 0.4])  # 17% below: reexplored
-    got = [KS[far(rows, tested)] for _ in range(30)]
+    got = [KS[far(rows, tested)] for _ in range(20)]
     assert got.count(0) == 2 and got[:2] == [1, 1]

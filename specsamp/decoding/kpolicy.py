@@ -61,7 +61,8 @@ runs at the other drafted chain (the least run so far) predicted within `reexplo
 of the choice (`KPolicy._reexplored`), or at plain rounds if the run has not timed any
 (a curve that overprices them would otherwise keep a losing K for good). Each re-run that
 leaves the choice where it was doubles the wait for the next (up to `reexplore_max`
-choices); a new choice brings it back to `reexplore`. Without that a long run paid the
+choices), once the chains within reach ran a few chunks each (`reexplore_evidence`: one
+chunk's yield follows its stretch of text); a new choice brings it back to `reexplore`. Without that a long run paid the
 re-runs for good: one chunk in nine at a chain 10-15% slower (K = 4, K = 2 greedy at
 batch 1) over a worker's millions of rows. The curve times
 rounds in which a lookup drafter finds no match, the dearer kind, which overprices long
@@ -139,11 +140,17 @@ class KPolicy:
     # See the module's note: a chain K whose one exploring chunk (or a dear curve) left it
     # predicted below the choice runs one more chunk after `reexplore` drafted-chain
     # choices, where it is predicted within `reexplore_within` of the choice; a clear loss
-    # is not re-run. The wait doubles with each re-run that leaves the choice as it was,
-    # up to `reexplore_max` choices, and starts again at `reexplore` when the choice moves.
+    # is not re-run. The wait doubles with each re-run that leaves the choice as it was
+    # (once `reexplore_evidence` allows), up to `reexplore_max` choices, and starts again
+    # at `reexplore` when the choice moves.
     reexplore: int = 8
     reexplore_within: float = 0.25
     reexplore_max: int = 64
+    # The wait doubles only once the chain a re-run picks (the least run of those within
+    # reach) has run this many chunks: one chunk's tokens and seconds move by 10-30% with
+    # the stretch of text it lands on (a K = 3 chunk at T = 0.7 top-p 0.9 kept 0.8x and
+    # took 1.1x its run-long figures, and the chain was not run again).
+    reexplore_evidence: int = 3
 
     def __post_init__(self):
         self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
@@ -321,8 +328,9 @@ class KPolicy:
         """`best`, or, once `reexplore_wait` drafted-chain choices ran since the last
         re-run, the other drafted chain predicted within `reexplore_within` of it that ran
         fewest chunks (plain rounds among them until a chunk of them was timed). The wait
-        doubles with each re-run (`reexplore_max` at most) while the choice stays; a new
-        choice starts it again at `reexplore`."""
+        doubles with each re-run of a chain that has run `reexplore_evidence` chunks
+        (`reexplore_max` at most) while the choice stays; a new choice starts it again at
+        `reexplore`."""
         if best >= len(self.ks) or best not in self.explored:  # a tree, or a first run
             return best
         if best != self.settled:  # counted afresh for a new choice
@@ -339,8 +347,10 @@ class KPolicy:
         if not others:
             return best
         self.chain_run = 0
-        self.reexplore_wait = min(2 * self.reexplore_wait, self.reexplore_max)
-        return min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
+        pick = min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
+        if self.chosen.count(shape_key(self.ks[pick])) + 1 >= self.reexplore_evidence:
+            self.reexplore_wait = min(2 * self.reexplore_wait, self.reexplore_max)
+        return pick
 
     def plain_rounds(self, chunk: int) -> int | None:
         """The rounds a plain chunk the policy just chose runs at most before it is asked
