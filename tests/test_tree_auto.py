@@ -189,7 +189,7 @@ def test_untried_trees_run_once_each_then_the_rates_decide():
     depth, trees = _counts(1.0)  # width 2 no better than one child
     first = [policy.shapes[policy(*_rows(), depth, trees)] for _ in range(3)]
     assert first[:2] == [T21, T22] and isinstance(first[2], int) and first[2] > 0
-    assert policy.chosen[:2] == ["2x1", "2x2"]
+    assert list(policy.chosen)[:2] == ["2x1", "2x2"]
 
 
 def test_a_tree_whose_gain_pays_is_chosen():

@@ -62,11 +62,12 @@ of the choice (`KPolicy._reexplored`), or at plain rounds if the run has not tim
 (a curve that overprices them would otherwise keep a losing K for good). Each re-run that
 leaves the choice where it was doubles the wait for the next (up to `reexplore_max`
 choices), once the chains within reach ran a few chunks each (`reexplore_evidence`: one
-chunk's yield follows its stretch of text); a new choice brings it back to `reexplore`. Without that a long run paid the
-re-runs for good: one chunk in nine at a chain 10-15% slower (K = 4, K = 2 greedy at
-batch 1) over a worker's millions of rows. The curve times
-rounds in which a lookup drafter finds no match, the dearer kind, which overprices long
-chains most; a chunk's timed rounds correct that only for the K values that run.
+chunk's yield follows its stretch of text); a new choice brings it back to `reexplore`.
+Without that a long run paid the re-runs for good: one chunk in nine at a chain 10-15%
+slower (K = 4 greedy, K = 2 at T = 0.7 top-p 0.9, batch 1) over a worker's millions of
+rows. The curve times rounds in which a lookup drafter finds no match, the dearer kind,
+which overprices long chains most; a chunk's timed rounds correct that only for the K
+values that run.
 
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
@@ -77,6 +78,7 @@ with a fixed K they do not.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -153,7 +155,10 @@ class KPolicy:
     reexplore_evidence: int = 3
 
     def __post_init__(self):
-        self.chosen: list = []  # each chunk's shape: a K, or a tree's widths ('2x1')
+        # The last chunks' shapes (a K, or a tree's widths, '2x1'), and every chunk's by
+        # shape: a worker's policy chooses millions of chunks, so no list of them all.
+        self.chosen: collections.deque = collections.deque(maxlen=1024)
+        self.chunks: collections.Counter = collections.Counter()
         self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
         self.plain_run = 0  # plain rounds in a row (`revisit`), counted by `observe`
         self.plain_for: int | None = None  # rounds the chosen plain chunk runs (`plain_rounds`)
@@ -310,6 +315,7 @@ class KPolicy:
             self.plain_for = max(self.revisit - self.plain_run, 0) if self._close(speeds) else None
         self.explored.add(best)
         self.chosen.append(shape_key(self.shapes[best]))
+        self.chunks[shape_key(self.shapes[best])] += 1
         k = self.chain_length(self.shapes[best])
         tokens = float(np.mean(self.model_tokens(k, *self._estimates)))
         self.predicted = (shape_key(self.shapes[best]), k, tokens)
@@ -347,8 +353,8 @@ class KPolicy:
         if not others:
             return best
         self.chain_run = 0
-        pick = min(others, key=lambda i: (self.chosen.count(shape_key(self.ks[i])), i))
-        if self.chosen.count(shape_key(self.ks[pick])) + 1 >= self.reexplore_evidence:
+        pick = min(others, key=lambda i: (self.chunks[shape_key(self.ks[i])], i))
+        if self.chunks[shape_key(self.ks[pick])] + 1 >= self.reexplore_evidence:
             self.reexplore_wait = min(2 * self.reexplore_wait, self.reexplore_max)
         return pick
 
