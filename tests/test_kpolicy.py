@@ -69,7 +69,7 @@ def test_deep_positions_kept_rarely_shorten_the_draft():
     first_only = (np.array([90.0, 0, 0, 0]), np.array([100.0, 0, 0, 0]))
     assert KS[policy(acc, tested, first_only)] == 4
     chained = (np.array([900.0, 90, 9, 1]), np.array([1000.0, 900, 90, 9]))
-    policy.explored.update(range(len(KS)))  # every K ran a chunk: none is explored
+    policy.chunks.update(range(len(KS)))  # every K ran a chunk: none is explored
     assert KS[policy(acc, tested, chained)] == 1
 
 
@@ -265,7 +265,7 @@ def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
     assert [KS[clear(*rows)] for _ in range(20)] == [1] * 20
     for _ in range(1100):  # a long run keeps counts by shape and only its last chunks
         clear(*rows)
-    assert len(clear.chosen) == 1024 and dict(clear.chunks) == {1: 1120}
+    assert len(clear.chosen) == 1024 and dict(clear.chunks) == {KS.index(1): 1120}
     both = fixed([1.0, 2.0, 1.7, 1.6])  # K = 2 and K = 4 both close: they take turns
     got = [KS[both(*rows)] for _ in range(200)]
     assert [i for i, k in enumerate(got) if k != 1] == [8, 16, 24, 32, 40, 56, 88, 152]

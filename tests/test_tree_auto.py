@@ -194,7 +194,7 @@ def test_untried_trees_run_once_each_then_the_rates_decide():
 
 def test_a_tree_whose_gain_pays_is_chosen():
     policy = _policy(1.04)
-    policy.explored.update({4, 5})
+    policy.chunks.update({4, 5})
     depth, trees = _counts(1.5)
     assert policy.shapes[policy(*_rows(), depth, trees)] == T21
     depth, trees = _counts(1.02)
@@ -205,7 +205,7 @@ def test_a_gain_measured_on_few_rounds_is_shrunk_toward_one():
     """The same measured gain of 1.5 on 4 rounds' tokens (shrunk by `gain_weight`) does
     not make the tree win, on 400 rounds' it does."""
     policy = _policy(1.04)
-    policy.explored.update({4, 5})
+    policy.chunks.update({4, 5})
     depth, few = _counts(1.5, spine_tokens=8.0)
     assert policy.width_gain(T21, few) < 1.15
     assert isinstance(policy.shapes[policy(*_rows(), depth, few)], int)
@@ -219,7 +219,7 @@ def test_easy_prompts_do_not_make_a_tree_look_better():
     near 1 whatever its own rate: the chains' rates and the tree's gain are what count, not
     the tree's kept rate against the chains' (the bias of rates pooled over the run)."""
     policy = _policy(1.04)
-    policy.explored.update({4, 5})
+    policy.chunks.update({4, 5})
     depth, _ = _counts(1.0)
     easy = {"2x1": (16 * 2.9, 16 * 2.7), "2x2": (0.0, 0.0)}  # 16 rounds kept ~1.9 of 2 drafts
     assert isinstance(policy.shapes[policy(*_rows(), depth, easy)], int)
@@ -228,10 +228,10 @@ def test_easy_prompts_do_not_make_a_tree_look_better():
 def test_a_tree_whose_measured_cost_makes_it_slower_is_not_chosen():
     depth, trees = _counts(1.5)
     dear = _policy(3.0)
-    dear.explored.update({4, 5})
+    dear.chunks.update({4, 5})
     assert isinstance(dear.shapes[dear(*_rows(), depth, trees)], int)
     cheap = _policy(1.04)
-    cheap.explored.update({4, 5})
+    cheap.chunks.update({4, 5})
     assert cheap.shapes[cheap(*_rows(), depth, trees)] == T21
 
 
@@ -239,7 +239,7 @@ def test_the_tree_margin_over_the_best_chain():
     """Predicted a little faster than the best chain (under tree_margin): the chain."""
     depth, trees = _counts(1.5)
     policy = _policy(1.04)
-    policy.explored.update({4, 5})
+    policy.chunks.update({4, 5})
     alpha = np.minimum(policy.alphas(*_rows(), pooled=tuple(float(np.sum(c)) for c in depth)), 0.999)
     rates = policy.position_rates(depth)
     tree = policy.tokens_per_second(T21, alpha, rates, trees)

@@ -155,11 +155,11 @@ class KPolicy:
     reexplore_evidence: int = 3
 
     def __post_init__(self):
-        # The last chunks' shapes (a K, or a tree's widths, '2x1'), and every chunk's by
-        # shape: a worker's policy chooses millions of chunks, so no list of them all.
+        # The last chunks' shapes (a K, or a tree's widths, '2x1'), and the chunks each
+        # index into `shapes` ran (`explored`): a worker's policy chooses millions of
+        # chunks, so no list of them all.
         self.chosen: collections.deque = collections.deque(maxlen=1024)
         self.chunks: collections.Counter = collections.Counter()
-        self.explored: set[int] = set()  # indices (into `shapes`) that ran a chunk
         self.plain_run = 0  # plain rounds in a row (`revisit`), counted by `observe`
         self.plain_for: int | None = None  # rounds the chosen plain chunk runs (`plain_rounds`)
         self.calibrated: dict = {}  # K -> [tokens emitted, tokens predicted] (`calibration`)
@@ -313,20 +313,25 @@ class KPolicy:
             self.plain_for = 0 if self.shapes[best] == 0 else None
         else:
             self.plain_for = max(self.revisit - self.plain_run, 0) if self._close(speeds) else None
-        self.explored.add(best)
-        self.chosen.append(shape_key(self.shapes[best]))
-        self.chunks[shape_key(self.shapes[best])] += 1
-        k = self.chain_length(self.shapes[best])
+        key, k = shape_key(self.shapes[best]), self.chain_length(self.shapes[best])
+        self.chunks[best] += 1
+        self.chosen.append(key)
         tokens = float(np.mean(self.model_tokens(k, *self._estimates)))
-        self.predicted = (shape_key(self.shapes[best]), k, tokens)
+        self.predicted = (key, k, tokens)
         return best
+
+    @property
+    def explored(self) -> set[int]:
+        """The indices (into `shapes`) that ran a chunk."""
+        return {i for i, n in self.chunks.items() if n > 0}
 
     def _explore(self, best: int, speeds: list[float]) -> int:
         """Where drafting is chosen: a tree that has not run yet (its rates by width
         cannot move before it does), else a chain K that has not run yet and is predicted
         within `close` of `best` (its round seconds rest on the curve alone), else `best`."""
-        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in self.explored]
-        fresh += [i for i, k in enumerate(self.ks) if k != 0 and i not in self.explored | {best}
+        explored = self.explored
+        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in explored]
+        fresh += [i for i, k in enumerate(self.ks) if k != 0 and i not in explored | {best}
                   and speeds[i] >= (1 - self.close) * speeds[best]]
         return fresh[0] if fresh else best
 
@@ -337,7 +342,7 @@ class KPolicy:
         doubles with each re-run of a chain that has run `reexplore_evidence` chunks
         (`reexplore_max` at most) while the choice stays; a new choice starts it again at
         `reexplore`."""
-        if best >= len(self.ks) or best not in self.explored:  # a tree, or a first run
+        if best >= len(self.ks) or self.chunks[best] == 0:  # a tree, or a first run
             return best
         if best != self.settled:  # counted afresh for a new choice
             self.settled, self.reexplore_wait, self.chain_run = best, self.reexplore, 0
@@ -353,8 +358,8 @@ class KPolicy:
         if not others:
             return best
         self.chain_run = 0
-        pick = min(others, key=lambda i: (self.chunks[shape_key(self.ks[i])], i))
-        if self.chunks[shape_key(self.ks[pick])] + 1 >= self.reexplore_evidence:
+        pick = min(others, key=lambda i: (self.chunks[i], i))
+        if self.chunks[pick] + 1 >= self.reexplore_evidence:
             self.reexplore_wait = min(2 * self.reexplore_wait, self.reexplore_max)
         return pick
 
