@@ -7,6 +7,7 @@ from specsamp.decoding.batching import modelled_rounds
 from specsamp.decoding.costs import CostCurve
 from specsamp.decoding.kpolicy import KPolicy
 from specsamp.decoding.position_rates import depth_counts, expected_tokens_by_position
+from specsamp.decoding.row_rates import RowRates
 from specsamp.decoding.stats import expected_tokens
 
 KS = (0, 1, 2, 4)
@@ -76,7 +77,7 @@ def test_deep_positions_kept_rarely_shorten_the_draft():
 def test_fresh_rows_borrow_the_pooled_rate():
     """A row without tested tokens is estimated at its neighbours' pooled rate, not 0."""
     policy = _policy(lambda t: 1.0)
-    alpha = policy.alphas(np.array([0.0, 80.0]), np.array([0.0, 100.0]))
+    alpha = policy.rows(np.array([0.0, 80.0]), np.array([0.0, 100.0]))
     assert alpha[0] == pytest.approx(81 / 102)
 
 
@@ -162,9 +163,9 @@ def test_a_small_predicted_gain_keeps_plain_rounds():
     policy = _policy(lambda t: 1.0 if t == 1 else 1.3 + 10 * (t - 2), draft=0.0)
     few, more = np.array([34.0]), np.array([43.0])
     tested = np.array([100.0])
-    assert policy.tokens_per_second(1, policy.alphas(few, tested)) == pytest.approx(1.03, abs=0.01)
+    assert policy.tokens_per_second(1, policy.rows(few, tested)) == pytest.approx(1.03, abs=0.01)
     assert KS[policy(few, tested)] == 0
-    assert policy.tokens_per_second(1, policy.alphas(more, tested)) == pytest.approx(1.10, abs=0.01)
+    assert policy.tokens_per_second(1, policy.rows(more, tested)) == pytest.approx(1.10, abs=0.01)
     assert KS[policy(more, tested)] == 1
     eager = KPolicy(policy.curve, KS, margin=0.0)
     assert KS[eager(few, tested)] == 1
@@ -280,7 +281,7 @@ def test_a_fresh_row_at_batch_1_starts_from_the_engine_history():
     ran (here 0.8 or 0.15), not a uniform prior's 0.5: the K it starts at follows."""
     policy = _policy(lambda t: 1 + 0.2 * (t - 1), draft=0.02)
     fresh = np.zeros(1)
-    assert policy.alphas(fresh, fresh, (80.0, 100.0))[0] == pytest.approx(81 / 102)
+    assert policy.rows(fresh, fresh, (80.0, 100.0))[0] == pytest.approx(81 / 102)
     good = (np.array([80.0, 60, 45, 30]), np.array([100.0, 80, 60, 45]))
     bad = (np.array([15.0, 1, 0, 0]), np.array([100.0, 15, 1, 0]))
     assert KS[policy.fresh_choice()] == 1  # no history: at 0.5
@@ -324,7 +325,7 @@ def test_chunks_that_emit_more_than_predicted_raise_their_k():
         for _ in range(chunks):
             k = ks[policy(row, tested)]
             got.append(k)
-            alpha = policy.alphas(row, tested)
+            alpha = policy.rows(row, tested)
             predicted = float(expected_tokens(alpha, k)[0])
             policy.observe(k, curve.rounds[k] * 16, 16, slots=1, counted=(predicted * 16 * (factor if k == 2 else 1), 16))
         return policy, got
@@ -387,18 +388,18 @@ def test_rows_pool_as_strongly_as_their_spread_says():
     weight inverted."""
     rng = np.random.default_rng(0)
     policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.3}), (0, 1))
-    assert policy.row_prior_weight() == policy.prior_weight
+    assert policy.rows.weight() == policy.rows.prior_weight
     for m in (40.0, 20.0, 150.0):
-        policy.finished[:] = 0
+        policy.rows.finished[:] = 0
         for accepted, tested in _rows(rng.beta(0.5 * m, 0.5 * m, 2000), 80, rng):
-            policy.finish(accepted, tested)
-        assert policy.row_prior_weight() == pytest.approx(m, rel=0.25)
-    policy.finished[:] = 0
+            policy.rows.finish(accepted, tested)
+        assert policy.rows.weight() == pytest.approx(m, rel=0.25)
+    policy.rows.finished[:] = 0
     for accepted, tested in _rows([0.5] * 400, 80, rng):
-        policy.finish(accepted, tested)
-    assert policy.row_prior_weight() >= 150
-    policy.finish(3.0, 0.0)  # a row that tested nothing says nothing
-    assert policy.finished[0] == 400
+        policy.rows.finish(accepted, tested)
+    assert policy.rows.weight() >= 150
+    policy.rows.finish(3.0, 0.0)  # a row that tested nothing says nothing
+    assert policy.rows.finished[0] == 400
 
 
 def test_a_row_among_alike_rows_is_not_put_on_plain_rounds_by_its_start():
@@ -411,15 +412,15 @@ def test_a_row_among_alike_rows_is_not_put_on_plain_rounds_by_its_start():
     curve = CostCurve(1, {0: 1.0, 1: 1.36})  # 1.47 tokens a round at 0.47: 1.08x plain
     alike, differ = KPolicy(curve, ks), KPolicy(curve, ks)
     for accepted, tested in _rows(np.clip(rng.normal(0.49, 0.035, 32), 0, 1), 80, rng):
-        alike.finish(accepted, tested)
+        alike.rows.finish(accepted, tested)
     for accepted, tested in _rows(rng.beta(1.5, 1.5, 32), 80, rng):
-        differ.finish(accepted, tested)
+        differ.rows.finish(accepted, tested)
     start, tested = np.array([4.0]), np.array([16.0])
     pooled = {}
     for policy, choice in ((alike, 1), (differ, 0)):
-        pooled[choice] = tuple(c * np.ones(1) for c in policy.finished[1:3])
+        pooled[choice] = tuple(c * np.ones(1) for c in policy.rows.finished[1:3])
         assert ks[policy._choice(start, tested, pooled[choice])[0]] == choice
-    weak = KPolicy(curve, ks, prior_weight=4.0, spread_rows=10**6)  # the old fixed weight
+    weak = KPolicy(curve, ks, rows=RowRates(prior_weight=4.0, spread_rows=10**6))  # the old fixed weight
     assert ks[weak._choice(start, tested, pooled[1])[0]] == 0
 
 
@@ -430,8 +431,8 @@ def test_the_margin_fades_as_both_costs_are_timed():
     ks = (0, 1)
     row, tested = np.array([34.0]), np.array([100.0])
     curve = CostCurve(1, {0: 1.0, 1: 1.3})
-    untimed, one, both = (KPolicy(curve, ks, prior_weight=4.0) for _ in range(3))
-    assert untimed.tokens_per_second(1, untimed.alphas(row, tested)) == pytest.approx(1.03, abs=0.01)
+    untimed, one, both = (KPolicy(curve, ks, rows=RowRates(prior_weight=4.0)) for _ in range(3))
+    assert untimed.tokens_per_second(1, untimed.rows(row, tested)) == pytest.approx(1.03, abs=0.01)
     one.observe(1, 1.3 * 512, 512, slots=1)
     for shape, seconds in ((0, 1.0), (1, 1.3)):
         both.observe(shape, seconds * 512, 512, slots=1)

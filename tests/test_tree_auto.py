@@ -240,7 +240,7 @@ def test_the_tree_margin_over_the_best_chain():
     depth, trees = _counts(1.5)
     policy = _policy(1.04)
     policy.chunks.update({4, 5})
-    alpha = np.minimum(policy.alphas(*_rows(), pooled=tuple(float(np.sum(c)) for c in depth)), 0.999)
+    alpha = np.minimum(policy.rows(*_rows(), pooled=tuple(float(np.sum(c)) for c in depth)), 0.999)
     rates = policy.position_rates(depth)
     tree = policy.tokens_per_second(T21, alpha, rates, trees)
     chain = max(policy.tokens_per_second(k, alpha, rates) for k in KS)

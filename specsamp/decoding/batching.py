@@ -350,12 +350,12 @@ class _Run:
         length, calls = np.asarray(st.length)[done].tolist(), np.asarray(st.calls)[done].tolist()
         tokens = np.asarray(st.tokens)[done].tolist()
         logs = round_logs(st, done)
-        finish = getattr(self.engine.policy, "finish", None)
+        rates = getattr(self.engine.policy, "rows", None)  # `KPolicy.rows`
         for j, s in enumerate(done):
             i, lo = self.slot_row[s], len(self.prompts[self.slot_row[s]])
             n = calls[j]
-            if finish is not None:
-                finish(self.accepted[s], self.tested[s])
+            if rates is not None:
+                rates.finish(self.accepted[s], self.tested[s])
             # The row's own decode time stands as a "batch" of its own rounds, so that
             # `RawSample.decode_s` is exactly it (and a stop-string cut scales it by rounds).
             self.results[i] = RawSample(

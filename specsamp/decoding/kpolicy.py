@@ -7,18 +7,13 @@ tokens, acceptance and bookkeeping; cheap in K at small batches, growing with K 
 ones), corrected by the run's own chunks as they are timed (`KPolicy.observe`: a curve
 measured in a busy minute would otherwise misprice a shape for good), and yields, for each
 running row with acceptance rate a, (1 - a^(K+1)) / (1 - a) tokens in expectation (the
-paper's cost model; SmartSpec's goodput rule, here with measured batch costs). Each row's a is its running
-estimate, shrunk toward the pooled rate of every row the engine ran, so that a fresh row
-starts from what the rows before it and beside it show (at batch 1 it has no
-neighbours). How strongly is read from the rows that finished (`row_prior_weight`,
-empirical Bayes): rows whose rates differ little pool strongly, so that a row's unlucky
-first chunks do not put it on plain rounds for the rest of it (at T = 1 on HumanEval the
-old fixed weight of 4 ran 70% of rounds plain where a fixed K = 2 gained 10%). Deeper
-draft positions need not be kept as often as the first (a trained draft's chained guesses
-are worse than its first): the rate of each position d given the ones before it, pooled
-over every row the engine ran, scales the row's rate there
-(`specsamp.decoding.position_rates`); before any round tested position d it is taken to
-be the first position's, the plain model.
+paper's cost model; SmartSpec's goodput rule, here with measured batch costs). Each row's
+a is its running estimate, shrunk toward the pooled rate of every row the engine ran as
+strongly as the finished rows' spread says (`specsamp.decoding.row_rates`). Deeper draft
+positions need not be kept as often as the first (a trained draft's chained guesses are
+worse than its first): the rate of each position d given the ones before it, pooled over
+every row the engine ran, scales the row's rate there (`specsamp.decoding.position_rates`);
+before any round tested position d it is taken to be the first position's, the plain model.
 
 Token trees (`--tree auto`, `KChoice.trees`): beside the chains the policy weighs a few
 tree shapes, each with its own measured round seconds. A tree's spine (its first-child
@@ -87,6 +82,7 @@ import numpy as np
 from specsamp.decoding.config import shape_key
 from specsamp.decoding.costs import CostCurve, cost_curve
 from specsamp.decoding.position_rates import expected_tokens_by_position, shrunk_rates
+from specsamp.decoding.row_rates import RowRates
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
 from specsamp.decoding.tree import Tree
@@ -100,12 +96,7 @@ class KPolicy:
     curve: CostCurve
     ks: Sequence[int]
     trees: Sequence[Tree] = ()  # tree shapes beside the chains (indices after ks)
-    # Pseudo-observations of the pooled rate per row: `prior_weight` until `spread_rows`
-    # rows have finished, then what the spread of the finished rows' rates says
-    # (`row_prior_weight`, within `prior_bounds`).
-    prior_weight: float = 32.0
-    spread_rows: int = 8
-    prior_bounds: tuple[float, float] = (4.0, 256.0)
+    rows: RowRates = dataclasses.field(default_factory=RowRates)  # each row's rate
     depth_weight: float = 16.0  # pseudo-observations of the first position's rate, per position
     # Draft only where the best K is predicted this much faster than plain rounds: the
     # cost curve is measured once on a machine whose speed drifts, and a predicted gain of
@@ -169,32 +160,6 @@ class KPolicy:
         self.chain_run = 0  # drafted-chain choices since the last re-run (`reexplore`)
         self.reexplore_wait = self.reexplore  # choices between re-runs (doubles, `reexplore_max`)
         self.settled: int | None = None  # the drafted chain the wait was counted for
-        # Finished rows that tested a draft token: their count, and the sums over them of
-        # accepted, tested and accepted^2 / tested (what `row_prior_weight` reads; a
-        # worker's engine may finish millions of rows, so no list of them).
-        self.finished = np.zeros(4)
-
-    def finish(self, accepted: float, tested: float) -> None:
-        """A row finished having kept `accepted` of `tested` draft tokens (`row_prior_weight`)."""
-        if tested > 0:
-            self.finished += (1.0, accepted, tested, accepted * accepted / tested)
-
-    def row_prior_weight(self) -> float:
-        """How many pseudo-observations of the pooled rate a row's own count is pooled with:
-        the strength of a beta prior whose spread is that of the finished rows' true rates
-        (empirical Bayes: their rates' spread, weighted by tested tokens, less what
-        binomial noise on that many tokens explains), `prior_weight` before `spread_rows`
-        have finished. Rows alike (HumanEval at T = 1: rates 0.49 +- 0.035 measured) pool
-        strongly, so that a row's noisy start does not put it on plain rounds for good;
-        rows that differ (a mix of code and prose) keep their own rates."""
-        rows, acc, tst, acc_sq = self.finished
-        if rows < self.spread_rows:
-            return self.prior_weight
-        p = acc / tst
-        # sum of tst * (acc / tst - p)^2 over rows = sum(acc^2 / tst) - p * acc
-        spread = (acc_sq - p * acc - rows * p * (1 - p)) / tst
-        lo, hi = self.prior_bounds
-        return hi if spread <= 0 else float(np.clip(p * (1 - p) / spread - 1, lo, hi))
 
     def observe(self, shape, seconds: float, rounds: int, slots: int,
                 modelled: float | None = None, counted: tuple[float, int] | None = None) -> None:
@@ -246,16 +211,6 @@ class KPolicy:
     def _timed(self, shape) -> tuple[float, int, float]:
         """The run's timed chunks at `shape`: (seconds, rounds, modelled rounds), 0 if none."""
         return self.timed.get(shape_key(shape), (0.0, 0, 0.0))
-
-    def alphas(self, accepted: np.ndarray, tested: np.ndarray, pooled=None) -> np.ndarray:
-        """Each row's rate: its accepted over tested draft tokens, with `row_prior_weight()`
-        pseudo-observations at the pooled rate, that of `pooled` (accepted, tested): every
-        row the engine ran, where given (at batch 1 a fresh row has no neighbours), else
-        these rows'."""
-        acc, tst = (accepted.sum(), tested.sum()) if pooled is None else pooled
-        rate = (acc + 1.0) / (tst + 2.0)
-        weight = self.row_prior_weight()
-        return (accepted + weight * rate) / (tested + weight)
 
     def position_rates(self, depth) -> np.ndarray:
         """Each draft position's rate given the ones before it, over the rate of all tested
@@ -401,7 +356,7 @@ class KPolicy:
     def _choice(self, accepted, tested, depth, tree_tokens=None) -> tuple[int, list[float]]:
         """(the index of the predicted fastest shape, every shape's predicted speed)."""
         pooled = None if depth is None else tuple(float(np.sum(c)) for c in depth)
-        alpha = np.minimum(self.alphas(np.asarray(accepted, float), np.asarray(tested, float), pooled), 0.999)
+        alpha = np.minimum(self.rows(np.asarray(accepted, float), np.asarray(tested, float), pooled), 0.999)
         rates = None if depth is None else self.position_rates(depth)
         self._estimates = alpha, rates
         speeds = [self.tokens_per_second(k, alpha, rates, tree_tokens) for k in self.shapes]
