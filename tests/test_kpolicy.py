@@ -237,6 +237,23 @@ def test_timed_chunks_correct_the_cost_curve():
     assert slow.round_seconds(1) == pytest.approx(1.6 * 1.8, rel=0.05)  # untimed: scaled alike
 
 
+def test_a_short_chunk_does_not_price_its_shape():
+    """A chunk's fixed cost spread over one round (a row's last chunk at batch 1: 1-round
+    chunks read 1.3-2.2x a round of the same shape) must not price K = 1 out: two such
+    chunks at 2.2x left it at 1.02x plain (under the margin) where its rounds give 1.15x.
+    Chunks of `timed_min_rounds` rounds count. Catches short chunks timed as any other."""
+    ks = (0, 1)
+    row, tested = np.array([50.0]), np.array([100.0])
+    policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.3}), ks)
+    assert ks[policy(row, tested)] == 1
+    for _ in range(2):
+        policy.observe(1, 2.2 * 1.3, 1, slots=1)
+    assert policy.round_seconds(1) == pytest.approx(1.3)
+    assert ks[policy(row, tested)] == 1
+    policy.observe(1, 2.2 * 1.3 * policy.timed_min_rounds, policy.timed_min_rounds, slots=1)
+    assert policy.round_seconds(1) > 1.5
+
+
 def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
     """A chain whose one exploring chunk (or a dear curve) put it below the choice would
     never run again, so neither its measured round seconds nor its deeper positions' rates

@@ -130,6 +130,12 @@ class KPolicy:
     # shapes alike). Chunks at fewer slots than the curve's (a run's tail, compacted) do
     # not count.
     cost_weight: float = 16.0
+    # A chunk's fixed cost (the device call, the host's wait for it and its choice) is
+    # spread over its rounds: 1-round chunks read 6.5-10.8 ms a round at batch 1 where
+    # the same shape's 16-round chunks read ~5 (a row's last chunk is as short as the row's
+    # rounds left). A shape explored once would carry that for the rest of a run, so
+    # chunks of fewer rounds than this are not timed (what they emitted still counts).
+    timed_min_rounds: int = 4
     # See the module's note: a chain K whose one exploring chunk (or a dear curve) left it
     # predicted below the choice runs one more chunk after `reexplore` drafted-chain
     # choices, where it is predicted within `reexplore_within` of the choice; a clear loss
@@ -168,7 +174,9 @@ class KPolicy:
         for (`batching.modelled_rounds`: a hybrid's wide lookup rounds count for more;
         default `rounds`). counted: (tokens, row-rounds) of its rounds the model describes
         (a tree's: its spines' tokens), for `calibration` where this policy chose the
-        chunk. Plain rounds in a row count towards `revisit` at any slots."""
+        chunk. Plain rounds in a row count towards `revisit` at any slots. Timed
+        (`round_seconds`): chunks of at least `timed_min_rounds` rounds over the curve's
+        slots."""
         key = shape_key(shape)
         self.plain_run = self.plain_run + rounds if key == 0 else 0
         chose = self.predicted is not None and self.predicted[0] == key != 0
@@ -177,7 +185,7 @@ class KPolicy:
             tally[0] += counted[0]
             tally[1] += self.predicted[2] * counted[1]
         self.predicted = None
-        if rounds > 0 and slots == self.curve.batch:
+        if rounds >= max(self.timed_min_rounds, 1) and slots == self.curve.batch:
             timed = self.timed.setdefault(key, [0.0, 0, 0.0])
             timed[0] += seconds
             timed[1] += rounds
