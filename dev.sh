@@ -2,7 +2,8 @@
 # Set-up and entry points on a fresh machine with Python 3.11 (see README.md):
 #   ./dev.sh demo   install, then run the main job (HumanEval prompts on the embedded
 #                   SmolLM2-135M-Instruct, speculative and baseline) and print a summary
-#   ./dev.sh test   install, then run the whole test suite (what CI runs)
+#   ./dev.sh test   install, then run the whole test suite (what CI runs) in two processes
+#                   ($SPECSAMP_TEST_WORKERS; 0: one process), a test module per process
 #   ./dev.sh quick  install, then the fast lane: every test not marked slow (the exactness
 #                   tests on the tiny models included; see tests/conftest.py), in two
 #                   processes ($SPECSAMP_TEST_WORKERS)
@@ -53,7 +54,10 @@ case "${1:-}" in
     setup
     shift
     # pytest exits 5 when it collects no test: that is a failure here, as any non-zero code.
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    # Two processes (pytest-xdist), a module's tests in one of them (--dist loadfile: its
+    # module-scoped models and pipelines set up once): 14.5 minutes on 2 cores where one
+    # process took 26.5 (docs/measurements.md, "Test suite time").
+    exec "$VENV/bin/python" -m pytest -q -n "${SPECSAMP_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
   quick)
     setup

@@ -8,7 +8,7 @@ After each test module the compiled programs it made are dropped: each XLA:CPU e
 keeps memory mappings of its machine code, and a session that kept all of them reached the
 kernel's limit (vm.max_map_count, 65530) near the end of the suite, where XLA then failed
 inside a compile with a segmentation fault. Programs needed again come back from the
-persistent cache. The summary line says how many mappings the process held at most.
+persistent cache. The summary line says how many mappings a test process held at most.
 
 The fast lane (`./dev.sh quick`, i.e. `-m "not slow"`) leaves out the real-model tests
 and the modules in OUTSIDE_FAST_LANE (pipelines, sandboxes, training, subprocess CLIs,
@@ -55,6 +55,20 @@ def _release_compiled_programs(request):
         _PEAK.update(maps=maps, module=request.module.__name__)
     forget_executables()
     gc.collect()
+
+
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker's report
+    if output is not None:
+        output["mappings"] = dict(_PEAK)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker's peak, for the summary line of the process that reports."""
+    peak = getattr(node, "workeroutput", {}).get("mappings", {})
+    if peak.get("maps", 0) > _PEAK["maps"]:
+        _PEAK.update(peak)
 
 
 def pytest_terminal_summary(terminalreporter):
