@@ -293,6 +293,28 @@ def test_a_chain_predicted_a_little_below_the_choice_runs_again_now_and_then():
     assert got == [2] * 7 + [4]  # the 8th choice after the move; K = 4 ran fewer chunks than K = 1
 
 
+def test_chunks_at_a_settled_chain_run_longer():
+    """A chunk costs ~1.5 ms beyond its rounds, 2% of a 16-round chunk at batch 1: chunks at
+    the chain whose re-runs have backed off run as many times longer as the wait did (2x
+    after the first doubling, up to 8x); re-run and first chunks, and every chunk after the
+    choice moves, run the base length. Catches long chunks before the wait backs off, at
+    a re-run, or kept after the choice moved."""
+    policy = KPolicy(CostCurve(1, {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0}), KS)
+    policy._choice = lambda *args: (KS.index(1), [1.0, 2.0, 1.7, 1.2])
+    rows = np.array([50.0]), np.array([100.0])
+    lengths = []
+    for _ in range(150):
+        k = KS[policy(*rows)]
+        lengths.append((k, policy.drafted_rounds(16)))
+    assert lengths[0] == (1, 16) and lengths[8] == (2, 16)  # a first run, a re-run
+    assert {n for k, n in lengths[:25]} == {16}  # the wait has not backed off yet
+    assert lengths[30] == (1, 32) and lengths[60] == (1, 64) and lengths[100] == (1, 128)
+    assert all(n == 16 for k, n in lengths if k == 2)  # re-runs stay short
+    assert max(n for _, n in lengths) == 16 * policy.reexplore_max // policy.reexplore
+    policy._choice = lambda *args: (KS.index(2), [1.0, 1.7, 2.0, 1.2])  # the choice moves
+    assert KS[policy(*rows)] == 2 and policy.drafted_rounds(16) == 16
+
+
 def test_a_fresh_row_at_batch_1_starts_from_the_engine_history():
     """A row with no tested tokens and no neighbours takes the rate of every row the engine
     ran (here 0.8 or 0.15), not a uniform prior's 0.5: the K it starts at follows."""

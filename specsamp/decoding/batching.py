@@ -205,10 +205,15 @@ class _Run:
         says). Plain chunks under a K policy teach it nothing (no draft is tested), so it
         would choose K = 0 again: they run on until slots free up, as an autoregressive
         engine does, or for as long as the policy says (`KPolicy.plain_rounds`: a close call
-        is revisited after so many plain rounds); stop strings need the host every chunk."""
+        is revisited after so many plain rounds). Drafted chunks at the chain a policy has
+        settled on run longer (`KPolicy.drafted_rounds`); stop strings need the host every
+        chunk."""
         chunk, policy = self.batching.chunk_rounds, self.engine.policy
-        if k != 0 or policy is None or stop_strings:
+        if policy is None or stop_strings:
             return chunk
+        if k != 0:  # longer at a settled choice (`KPolicy.drafted_rounds`)
+            longer = getattr(policy, "drafted_rounds", None)
+            return chunk if longer is None else min(longer(chunk), _NEVER)
         asks = self.prog.drafter is not None and hasattr(policy, "plain_rounds")  # else not asked
         limit = policy.plain_rounds(chunk) if asks else None
         return _NEVER if limit is None else limit
