@@ -329,12 +329,9 @@ class KPolicy:
         return pick
 
     def drafted_rounds(self, chunk: int) -> int:
-        """The rounds a drafted chunk the policy just chose runs at most: `chunk`, or, at
-        the chain its re-runs settled on, `chunk` times how far their wait has backed off
-        (`reexplore_wait` / `reexplore`, up to 8). A chunk costs ~1.5 ms beyond its rounds
-        (the device call, and a first round slower than the next), 2% of a 16-round chunk
-        at batch 1, and a settled choice is asked again less often anyway; an exploring or
-        re-run chunk, a tree's, or any chunk before the wait backs off runs `chunk`."""
+        """The rounds a drafted chunk just chosen runs at most: `chunk` times how far the
+        re-run wait has backed off (`reexplore_wait` / `reexplore`) at the settled chain,
+        else `chunk`. A chunk costs ~1.5 ms beyond its rounds (2% of 16 at batch 1)."""
         if self.last is None or self.last != self.settled:
             return chunk
         return chunk * max(self.reexplore_wait // self.reexplore, 1)
