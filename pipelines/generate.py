@@ -30,7 +30,7 @@ from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import TestOptions
 
 from pipelines import rows, runners
-from pipelines.commit import CommitBatch
+from pipelines.commit import CommitBatch, remove_stale_temps
 from pipelines.handler import DEFAULT_LOADER, NAMESPACE, GeneratorHandler, count_row
 from pipelines.options import parse_args, strict_bool
 from pipelines.plan import Plan, make_plan, resolve_input
@@ -64,6 +64,9 @@ def run(argv: list[str] | None = None, test_pipeline=None, loader: str = DEFAULT
             return None  # the local runners ignore --dry_run: building the graph is the dry run
         with stops_cleanly(lambda signum: job.stopped(signum, cfg.output)):
             job.run_to_end(p)
+        # The job has ended, every batch committed: a writer killed mid-write while it went
+        # on (a Dask worker whose tasks the cluster redid) left its temporary file.
+        remove_stale_temps(cfg.output)
     return None if dry_run else summarize(cfg.output, this_run=plan.todo)
 
 

@@ -92,6 +92,23 @@ def read(output: str, table: str) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in paths]) if paths else None
 
 
+STALE_TEMP_IN = "SPECSAMP_TEST_STALE_TEMP_IN"
+STALE_LOADER = "tests.pipeline_support:stale_temp_loader"
+
+
+def stale_temp_loader(spec):
+    """The failing loader, and, in the folder named by env STALE_TEMP_IN, the temporary
+    file a writer killed mid-write leaves, once the run is under way (after its start's
+    sweep)."""
+    from pipelines.commit import TEMP_MARK
+
+    folder = os.environ.get(STALE_TEMP_IN)
+    if folder:
+        with open(os.path.join(folder, f".errors-0.parquet{TEMP_MARK}killed00"), "wb") as f:
+            f.write(b"half a shard")
+    return failing_loader(spec)
+
+
 def files(output: str, table: str) -> list[str]:
     return sorted(glob.glob(os.path.join(output, f"{table}-*.parquet")))
 

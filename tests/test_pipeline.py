@@ -21,7 +21,7 @@ from pipelines.handler import GeneratorHandler, generator_spec
 from pipelines.plan import make_plan
 from schemas import COMPLETIONS, ERRORS, SCHEMA_VERSION, check_file
 from specsamp import runconfig
-from tests.pipeline_support import FAILING_LOADER, files, make_setup, read
+from tests.pipeline_support import FAILING_LOADER, STALE_LOADER, STALE_TEMP_IN, files, make_setup, read
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,20 @@ def test_rerun_resumes_without_duplicates(env, capsys):
     assert "nothing to do" in capsys.readouterr().err
     assert files(env["out"], "completions") + files(env["out"], "errors") == before
     assert summary.completions == env["summary"].completions
+
+
+def test_a_temporary_file_left_during_the_run_is_removed_at_its_end(env, tmp_path, monkeypatch):
+    """A writer killed mid-write while the job goes on (the runner redoes its work) leaves
+    its temporary file: the run removes it once the job has ended, as it does at its start
+    and at a stop. Catches a sweep only then (a Dask run whose workers were killed
+    mid-run ended with one)."""
+    from pipelines.commit import TEMP_MARK
+
+    monkeypatch.setenv(STALE_TEMP_IN, str(tmp_path))
+    run(["--config", env["config"], "--output", str(tmp_path), "--limit", "2",
+         "--input", str(env["root"] / "prompts" / "mixed-0.parquet")], loader=STALE_LOADER)
+    assert read(str(tmp_path), "completions") is not None
+    assert not [n for n in os.listdir(tmp_path) if TEMP_MARK in n]
 
 
 def test_raised_limit_adds_only_the_new_prompts(env, tmp_path):
