@@ -55,7 +55,7 @@ case "${1:-}" in
     shift
     # pytest exits 5 when it collects no test: that is a failure here, as any non-zero code.
     # Two processes (pytest-xdist), a module's tests in one of them (--dist loadfile: its
-    # module-scoped models and pipelines set up once): 14.5-19 minutes of pytest on 2 cores
+    # module-scoped models and pipelines set up once): 14.5-20 minutes of pytest on 2 cores
     # where one process took 26.5 (docs/measurements.md, session 41).
     exec "$VENV/bin/python" -m pytest -q -n "${SPECSAMP_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
