@@ -268,7 +268,7 @@ def test_a_run_the_policy_keeps_plain_goes_without_the_drafter(monkeypatch):
     progs.clear()
     cheap.run(PROMPTS, SEEDS, batching=batching)
     assert all(p.drafter is not None for p in progs) and set(cheap.k_rounds) - {0}
-    # every finished row told the policy its counts (`KPolicy.finish`): together, what
+    # every finished row told the policy its counts (`RowRates.finish`): together, what
     # the engine pooled by draft position over the same rounds
     finished = cheap.policy.rows.finished
     assert 0 < finished[0] <= len(PROMPTS)

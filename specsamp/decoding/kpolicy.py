@@ -166,7 +166,6 @@ class KPolicy:
         self.chain_run = 0  # drafted-chain choices since the last re-run (`reexplore`)
         self.reexplore_wait = self.reexplore  # choices between re-runs (doubles, `reexplore_max`)
         self.settled: int | None = None  # the drafted chain the wait was counted for
-        self.last: int | None = None  # the index the last chunk was chosen at
 
     def observe(self, shape, seconds: float, rounds: int, slots: int,
                 modelled: float | None = None, counted: tuple[float, int] | None = None) -> None:
@@ -280,7 +279,6 @@ class KPolicy:
         key, k = shape_key(self.shapes[best]), self.chain_length(self.shapes[best])
         self.chunks[best] += 1
         self.chosen.append(key)
-        self.last = best
         tokens = float(np.mean(self.model_tokens(k, *self._estimates)))
         self.predicted = (key, k, tokens)
         return best
@@ -332,7 +330,8 @@ class KPolicy:
         """The rounds a drafted chunk just chosen runs at most: `chunk` times how far the
         re-run wait has backed off (`reexplore_wait` / `reexplore`) at the settled chain,
         else `chunk`. A chunk costs ~1.5 ms beyond its rounds (2% of 16 at batch 1)."""
-        if self.last is None or self.last != self.settled:
+        settled = None if self.settled is None else shape_key(self.shapes[self.settled])
+        if not self.chosen or self.chosen[-1] != settled:  # the last choice's shape
             return chunk
         return chunk * max(self.reexplore_wait // self.reexplore, 1)
 
