@@ -192,6 +192,28 @@ def test_untried_trees_run_once_each_then_the_rates_decide():
     assert list(policy.chosen)[:2] == ["2x1", "2x2"]
 
 
+def test_a_tree_that_could_not_beat_the_chains_is_not_explored():
+    """A tree whose rounds, with every row keeping its whole depth each round, would still
+    be slower than the best chain (its `_ceiling`) never runs; one that could win runs its
+    exploring chunk. (At batch 32 a tree round cost 4-6 plain rounds and its one chunk ~7%
+    of a run.) Without the ceiling both trees would explore first."""
+    def policy():
+        fresh = _policy(1.0)
+        _, speeds = fresh._choice(*_rows(), depth, trees)
+        best = max(speeds[: len(KS)])  # two rows keeping a depth-2 tree whole: 6 tokens
+        fresh.curve.rounds.update({"2x1": 6 / best * 1.02, "2x2": 6 / best * 0.98})
+        return fresh
+
+    depth, trees = _counts(1.0)
+    ceiling = policy()
+    choices = [ceiling.shapes[ceiling(*_rows(), depth, trees)] for _ in range(3)]
+    assert T21 not in choices
+    assert choices[0] == T22 and all(isinstance(c, int) and c > 0 for c in choices[1:])
+    control = policy()
+    control._ceiling = lambda tree: np.inf
+    assert [control.shapes[control(*_rows(), depth, trees)] for _ in range(2)] == [T21, T22]
+
+
 def test_a_tree_whose_gain_pays_is_chosen():
     policy = _policy(1.04)
     policy.chunks.update({4, 5})

@@ -21,8 +21,8 @@ chain, `Tree.spine`) is the chain of J drafts the drafter would have proposed, s
 rounds yield what that chain yields (the chain model above, J = the spine's length) times
 the tree's width gain: the tokens its rounds emitted over the tokens their spines alone
 would have (each round records both, `round_spine`), with `gain_weight` tokens at a gain of
-1 (a width not tried yet counts as no better than one child, so each tree runs one chunk
-early on, explore). Measured on the same rows in the same rounds, the gain does not move
+1 (a width not tried yet counts as no better than one child, so each tree that could beat
+the chains at all runs one chunk early on, explore). Measured on the same rows in the same rounds, the gain does not move
 with how easy the prompts of the moment are, as rates pooled by (depth, width) over the
 run did: a tree explored on easy first prompts was predicted far above the chains and ran
 for hundreds of slower rounds (docs/measurements.md). What the spines kept counts as chain
@@ -48,21 +48,17 @@ the same few rounds at batch 1, where a chunk would otherwise run to the end of 
 as at batch 32.
 
 A chain K that has not run yet and is predicted within `close` of the choice runs one chunk
-first (`KPolicy._explore`), as an untried tree does: its round seconds otherwise rest on
-the curve alone. One chunk is not enough to correct them, nor its deeper positions'
-rates, and a chain predicted below the choice is never run again, so the estimates that
-keep it out would never move: every `reexplore` drafted-chain choices, one chunk
-runs at the other drafted chain (the least run so far) predicted within `reexplore_within`
-of the choice (`KPolicy._reexplored`), or at plain rounds if the run has not timed any
-(a curve that overprices them would otherwise keep a losing K for good). Each re-run that
-leaves the choice where it was doubles the wait for the next (up to `reexplore_max`
-choices), once the chains within reach ran a few chunks each (`reexplore_evidence`: one
-chunk's yield follows its stretch of text); a new choice brings it back to `reexplore`.
-Without that a long run paid the re-runs for good: one chunk in nine at a chain 10-15%
-slower (K = 4 greedy, K = 2 at T = 0.7 top-p 0.9, batch 1) over a worker's millions of
-rows. The curve times rounds in which a lookup drafter finds no match, the dearer kind,
-which overprices long chains most; a chunk's timed rounds correct that only for the K
-values that run.
+first (`KPolicy._explore`): its round seconds otherwise rest on the curve alone. One chunk
+corrects neither them nor its deeper positions' rates, and a chain predicted below the
+choice would never run again: every `reexplore` drafted-chain choices, one chunk runs at
+the other drafted chain (the least run so far) predicted within `reexplore_within` of the
+choice (`KPolicy._reexplored`), or at plain rounds if the run has not timed any (a curve
+that overprices them would otherwise keep a losing K for good). Each re-run that leaves
+the choice as it was doubles the wait for the next (up to `reexplore_max`), once the
+chains within reach ran `reexplore_evidence` chunks each; a new choice resets it. Without
+that a long run paid one chunk in nine at a chain 10-15% slower for good. The curve times
+rounds in which a lookup drafter finds no match, the dearer kind, which overprices long
+chains most; timed chunks correct that only for the K values that run.
 
 Exactness: every round is exact whatever K or tree it runs at, and the shape is chosen
 from the past only, so samples follow the target's distribution (checked by chi-square in
@@ -111,14 +107,11 @@ class KPolicy:
     # Tokens at a width gain of 1 pooled with a tree's measured tokens (about 16 rounds'):
     # one exploring chunk moves a tree's gain halfway to what it measured.
     gain_weight: float = 32.0
-    # Plain rounds test no draft, so a choice of plain rounds made on few or unlucky
-    # tested tokens (a hard prompt, a slow spell during the cost curve's measurement)
-    # would never be revisited. After `revisit` plain rounds in a row (chunks, or runs
+    # Plain rounds test no draft, so a plain call made on few or unlucky tested tokens
+    # would stand for good. After `revisit` plain rounds in a row (chunks, or runs
     # without the drafter), where the best drafted shape is predicted within `close` of
-    # plain rounds, one chunk runs at that shape so that its estimate can move; a clear
-    # loss is not re-tested. Counted in rounds, not choices: at batch 1 a plain chunk
-    # ran to the end of its row, and 4 choices were 4 rows (a third of a T = 1 run's
-    # rounds went plain where K = 2 was 14% faster).
+    # plain rounds, one chunk runs at that shape; a clear loss is not re-tested. Counted
+    # in rounds: at batch 1 a plain chunk ran to the end of its row.
     revisit: int = 64
     close: float = 0.10
     # The curve is a few rounds per shape timed once, on a machine whose speed and load
@@ -289,14 +282,22 @@ class KPolicy:
         return {i for i, n in self.chunks.items() if n > 0}
 
     def _explore(self, best: int, speeds: list[float]) -> int:
-        """Where drafting is chosen: a tree that has not run yet (its rates by width
-        cannot move before it does), else a chain K that has not run yet and is predicted
-        within `close` of `best` (its round seconds rest on the curve alone), else `best`."""
-        explored = self.explored
-        fresh = [i for i in range(len(self.ks), len(self.shapes)) if i not in explored]
+        """Where drafting is chosen: a tree that has not run yet (its gain cannot move
+        before it does) and could beat the chains (`_ceiling`), else a chain K that has not
+        run yet and is predicted within `close` of `best` (its round seconds rest on the
+        curve alone), else `best`."""
+        explored, chains = self.explored, max(speeds[: len(self.ks)])
+        fresh = [i for i in range(len(self.ks), len(self.shapes))
+                 if i not in explored and self._ceiling(self.shapes[i]) > chains]
         fresh += [i for i, k in enumerate(self.ks) if k != 0 and i not in explored | {best}
                   and speeds[i] >= (1 - self.close) * speeds[best]]
         return fresh[0] if fresh else best
+
+    def _ceiling(self, tree: Tree) -> float:
+        """`tree`'s tokens per second if every running row kept its whole depth each round.
+        A tree below the best chain even then could never be chosen, so it is not explored:
+        at batch 32 a tree round cost 4-6 plain rounds, and its one chunk ~7% of a run."""
+        return len(self._estimates[0]) * (tree.max_depth + 1) / self.round_seconds(tree)
 
     def _reexplored(self, best: int, speeds: list[float]) -> int:
         """`best`, or, once `reexplore_wait` drafted-chain choices ran since the last
