@@ -316,9 +316,10 @@ class _Run:
         counted = mine & (log >= 0) & (widths == scored)
         modelled = modelled_rounds(rounds, emitted, mine, counted)
         if tree is not None:  # the spine's loops (cut where the round's output was)
+            kept = np.minimum(spine, log)
             self.engine.tree_tokens[shape_key(tree)] += (
-                float((1 + log[counted]).sum()), float((1 + np.minimum(spine, log)[counted]).sum()))
-            log = np.where(counted, np.minimum(spine, log), log)
+                float((1 + log[counted]).sum()), float((1 + kept[counted]).sum()))
+            log = np.where(counted, kept, log)
         accepted = np.where(counted, log, 0).sum(axis=1)
         self.accepted[active] += accepted  # as `stats.loop_counts`, row by row
         self.tested[active] += accepted + (counted & (log < k)).sum(axis=1)
