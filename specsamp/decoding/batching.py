@@ -103,9 +103,9 @@ def steps(engine, batching: Batching, prompts: Sequence[Sequence[int]], seeds: S
         engine.k_rounds[shape_key(shape)] += rounds
         engine.slot_rounds[len(run.slot_row)] += rounds
         engine.decode_s += seconds
-        modelled, counted = run.charge_decode(seconds, rounds, shape)
+        modelled, counted, wide = run.charge_decode(seconds, rounds, shape)
         if hasattr(engine.policy, "observe"):
-            engine.policy.observe(shape, seconds, rounds, len(run.slot_row), modelled, counted)
+            engine.policy.observe(shape, seconds, rounds, len(run.slot_row), modelled, counted, wide)
         if should_stop is not None:
             run.apply_stop_strings(should_stop)
         run.collect()
@@ -297,8 +297,10 @@ class _Run:
         guesses, would make the policy overrate the larger K.
 
         Returns the chunk's rounds counted by what they emitted, in rounds of the kind the
-        policy models (`modelled_rounds`), and (tokens, row-rounds) of the rounds the
-        policy models (a tree's: its spines'; `KPolicy.calibration`)."""
+        policy models (`modelled_rounds`), (tokens, row-rounds) of the rounds the policy
+        models (a tree's: its spines'; `KPolicy.calibration`), and at a K below the
+        hybrid's wide length (row-rounds, wide ones, their tokens, and the first pair
+        again; `WideRounds`), else None."""
         tree = None if isinstance(shape, int) else shape
         k, scored = (shape, shape) if tree is None else (len(tree.spine), tree.size)
         self.totals[1] += seconds
@@ -327,7 +329,12 @@ class _Run:
         for total, part in zip(depth, depth_counts(log[counted], k, len(depth[0]))):
             total += part
         self.calls = calls.astype(np.int64)
-        return modelled, (float((1 + log[counted]).sum()), int(counted.sum()))
+        models = (float((1 + log[counted]).sum()), int(counted.sum()))
+        wide = getattr(self.prog.drafter, "wide", None)  # a hybrid's wide lookup (`HybridDrafter`)
+        if tree is not None or wide is None or not 0 < k < wide.k:
+            return modelled, models, None
+        wide = mine & (log >= 0) & (widths > scored)
+        return modelled, models, (float(mine.sum()), float(wide.sum()), float(emitted[wide].sum())) + models
 
     def acceptance(self) -> tuple:
         """(accepted, tested) draft tokens so far of each running row, and the engine's

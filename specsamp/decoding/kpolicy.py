@@ -82,6 +82,7 @@ from specsamp.decoding.row_rates import RowRates
 from specsamp.decoding.shapes import width_for
 from specsamp.decoding.stats import expected_tokens
 from specsamp.decoding.tree import Tree
+from specsamp.decoding.wide_rounds import WideRounds
 
 
 @dataclasses.dataclass
@@ -93,6 +94,7 @@ class KPolicy:
     ks: Sequence[int]
     trees: Sequence[Tree] = ()  # tree shapes beside the chains (indices after ks)
     rows: RowRates = dataclasses.field(default_factory=RowRates)  # each row's rate
+    wide: WideRounds = dataclasses.field(default_factory=WideRounds)  # a hybrid's wide rounds
     depth_weight: float = 16.0  # pseudo-observations of the first position's rate, per position
     # Draft only where the best K is predicted this much faster than plain rounds: the
     # cost curve is measured once on a machine whose speed drifts, and a predicted gain of
@@ -114,14 +116,11 @@ class KPolicy:
     # in rounds: at batch 1 a plain chunk ran to the end of its row.
     revisit: int = 64
     close: float = 0.10
-    # The curve is a few rounds per shape timed once, on a machine whose speed and load
-    # drift: its figures for one shape moved by 15-50% between measurements minutes apart
-    # here (docs/measurements.md). The run's own chunks time every shape they run at, over
-    # far more rounds: a shape's round seconds are its measured rounds pooled with
-    # `cost_weight` rounds at the curve's figure, that figure scaled by how the measured
-    # rounds of every shape compare with the curve (a slower or faster machine moves all
-    # shapes alike). Chunks at fewer slots than the curve's (a run's tail, compacted) do
-    # not count.
+    # The curve is a few rounds per shape timed once (its figures for one shape moved by
+    # 15-50% between measurements minutes apart here). A shape's round seconds are its
+    # timed rounds pooled with `cost_weight` rounds at the curve's figure, scaled by how
+    # the timed rounds of every shape compare with the curve (a slower machine moves all
+    # alike). Chunks at fewer slots than the curve's (a compacted tail) do not count.
     cost_weight: float = 16.0
     # A chunk's fixed cost (the device call, the host's wait for it and its choice) is
     # spread over its rounds: 1-round chunks read 6.5-10.8 ms a round at batch 1 where
@@ -129,12 +128,10 @@ class KPolicy:
     # rounds left). A shape explored once would carry that for the rest of a run, so
     # chunks of fewer rounds than this are not timed (what they emitted still counts).
     timed_min_rounds: int = 4
-    # See the module's note: a chain K whose one exploring chunk (or a dear curve) left it
-    # predicted below the choice runs one more chunk after `reexplore` drafted-chain
-    # choices, where it is predicted within `reexplore_within` of the choice; a clear loss
-    # is not re-run. The wait doubles with each re-run that leaves the choice as it was
-    # (once `reexplore_evidence` allows), up to `reexplore_max` choices, and starts again
-    # at `reexplore` when the choice moves.
+    # See the module's note: every `reexplore` drafted-chain choices one chunk re-runs a
+    # chain predicted within `reexplore_within` of the choice; the wait doubles with each
+    # re-run that leaves the choice as it was (once `reexplore_evidence` allows), up to
+    # `reexplore_max`, and starts again at `reexplore` when the choice moves.
     reexplore: int = 8
     reexplore_within: float = 0.25
     reexplore_max: int = 64
@@ -160,14 +157,15 @@ class KPolicy:
         self.reexplore_wait = self.reexplore  # choices between re-runs (doubles, `reexplore_max`)
         self.settled: int | None = None  # the drafted chain the wait was counted for
 
-    def observe(self, shape, seconds: float, rounds: int, slots: int,
-                modelled: float | None = None, counted: tuple[float, int] | None = None) -> None:
+    def observe(self, shape, seconds: float, rounds: int, slots: int, modelled: float | None = None,
+                counted: tuple[float, int] | None = None, wide: tuple | None = None) -> None:
         """A chunk of `rounds` rounds of `shape` over `slots` slots took `seconds`; by what
         they emitted, they were `modelled` rounds of the kind this policy predicts tokens
         for (`batching.modelled_rounds`: a hybrid's wide lookup rounds count for more;
         default `rounds`). counted: (tokens, row-rounds) of its rounds the model describes
         (a tree's: its spines' tokens), for `calibration` where this policy chose the
-        chunk. Plain rounds in a row count towards `revisit` at any slots. Timed
+        chunk; wide: its wide rounds, at a K below a hybrid's wide length (`WideRounds`).
+        Plain rounds in a row count towards `revisit` at any slots. Timed
         (`round_seconds`): chunks of at least `timed_min_rounds` rounds over the curve's
         slots."""
         key = shape_key(shape)
@@ -183,6 +181,8 @@ class KPolicy:
             timed[0] += seconds
             timed[1] += rounds
             timed[2] += rounds if modelled is None else modelled
+            if wide is not None:
+                self.wide.observe(key, wide)
 
     @property
     def shapes(self) -> tuple:
@@ -190,8 +190,10 @@ class KPolicy:
 
     def round_seconds(self, shape) -> float:
         """A round's seconds at `shape`: the curve's, corrected by the run's timed chunks
-        (`cost_weight`), per modelled round (`observe`)."""
-        seconds, _, modelled = self._timed(shape)
+        (`cost_weight`), per modelled round (`observe`; a hybrid's wide rounds pooled over
+        the K values that run them, `WideRounds`)."""
+        seconds, rounds, modelled = self._timed(shape)
+        modelled = self.wide.modelled(shape_key(shape), rounds, modelled)
         prior = self.curve.rounds[shape_key(shape)] * self._drift()
         return (self.cost_weight * prior + seconds) / (self.cost_weight + modelled)
 
