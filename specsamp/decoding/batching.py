@@ -330,8 +330,8 @@ class _Run:
             total += part
         self.calls = calls.astype(np.int64)
         models = (float((1 + log[counted]).sum()), int(counted.sum()))
-        wide = getattr(self.prog.drafter, "wide", None)  # a hybrid's wide lookup (`HybridDrafter`)
-        if tree is not None or wide is None or not 0 < k < wide.k:
+        lookup = getattr(self.prog.drafter, "wide", None)  # a hybrid's wide lookup (`HybridDrafter`)
+        if tree is not None or lookup is None or not 0 < k < lookup.k:
             return modelled, models, None
         wide = mine & (log >= 0) & (widths > scored)
         return modelled, models, (float(mine.sum()), float(wide.sum()), float(emitted[wide].sum())) + models

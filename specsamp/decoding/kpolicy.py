@@ -22,12 +22,12 @@ rounds yield what that chain yields (the chain model above, J = the spine's leng
 the tree's width gain: the tokens its rounds emitted over the tokens their spines alone
 would have (each round records both, `round_spine`), with `gain_weight` tokens at a gain of
 1 (a width not tried yet counts as no better than one child, so each tree that could beat
-the chains at all runs one chunk early on, explore). Measured on the same rows in the same rounds, the gain does not move
-with how easy the prompts of the moment are, as rates pooled by (depth, width) over the
-run did: a tree explored on easy first prompts was predicted far above the chains and ran
-for hundreds of slower rounds (docs/measurements.md). What the spines kept counts as chain
-rounds of J drafts for the rates above, so chains are predicted as `--k auto` predicts
-them. A tree runs only where predicted faster than the best chain by `tree_margin`.
+the chains at all runs one chunk early on, explore). Measured on the same rows in the same
+rounds, the gain does not move with how easy the prompts of the moment are, as rates
+pooled by (depth, width) over the run did: a tree explored on easy first prompts was
+predicted far above the chains and ran for hundreds of slower rounds. What the spines kept
+counts as chain rounds of J drafts for the rates above. A tree runs only where predicted
+faster than the best chain by `tree_margin`.
 
 The model is calibrated per draft length K by what the rounds it predicted emitted
 (`KPolicy.calibration`): each chunk's counted rounds' tokens over the tokens the model
