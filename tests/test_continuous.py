@@ -133,7 +133,8 @@ def test_wide_rounds_stay_out_of_the_k_policy_counts():
 
 class _Observed:
     """A K policy that always picks index 0 and records what each timed chunk reports
-    (`KPolicy.observe`): (rounds, modelled rounds, its wide rounds' report)."""
+    (`KPolicy.observe`): (rounds, modelled rounds, its wide rounds' report, its counted
+    rounds' (tokens, row-rounds))."""
 
     def __init__(self):
         self.chunks = []
@@ -142,7 +143,7 @@ class _Observed:
         return 0
 
     def observe(self, shape, seconds, rounds, slots, modelled=None, counted=None, wide=None):
-        self.chunks.append((rounds, modelled, wide))
+        self.chunks.append((rounds, modelled, wide, counted))
 
 
 @pytest.mark.parametrize("drafter,more", [("hybrid-wide", True), ("model", False)])
@@ -157,19 +158,19 @@ def test_chunks_count_their_wide_rounds_by_what_they_emitted(drafter, more):
     cont = switching(_eos_engine(sp, drafter, 4, max_new=20), (1, 4), policy)
     got = cont.run(PROMPTS, SEEDS, batching=Continuous(3, chunk_rounds=4))
     assert any(3 in r.drafted for r in got) == more  # wide rounds ran (or not)
-    ran = sum(rounds for rounds, _, _ in policy.chunks)
-    modelled = sum(m for _, m, _ in policy.chunks)
+    ran = sum(rounds for rounds, _, _, _ in policy.chunks)
+    modelled = sum(m for _, m, _, _ in policy.chunks)
     assert ran == sum(cont.k_rounds.values()) > 0
     assert modelled > 1.05 * ran if more else modelled == pytest.approx(ran)
     # The wide rounds' report (`WideRounds`) is the same chunk counted apart: its rounds
     # and tokens give the modelled rounds back, and its wide rounds are the rows' 3s.
-    reports = [(r, m, w) for r, m, w in policy.chunks if r]
-    assert all((w is not None) == more for _, _, w in reports)
+    reports = [(r, m, w, c) for r, m, w, c in policy.chunks if r]
+    assert all((w is not None) == more for _, _, w, _ in reports)
     if more:
-        for rounds, m, (rows, wide, wide_tokens, tokens, counted) in reports:
+        for rounds, m, (rows, wide, wide_tokens), (tokens, counted) in reports:
             counted_as = rounds * (wide_tokens + tokens) / (tokens / counted) / rows if counted else rounds
             assert m == pytest.approx(counted_as)
-        assert sum(w[1] for _, _, w in reports) == sum(r.drafted.count(3) for r in got)
+        assert sum(w[1] for _, _, w, _ in reports) == sum(r.drafted.count(3) for r in got)
 
 
 def test_switching_k_samples_exactly():

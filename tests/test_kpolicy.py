@@ -416,15 +416,15 @@ def test_timed_chunks_are_priced_per_modelled_round():
 def _wide_chunk(rounds: int, wide: int, wide_tokens: int, counted_tokens: int):
     """One row's chunk of `rounds` rounds, `wide` of them wide (emitting `wide_tokens` in
     all), the rest counted rounds emitting `counted_tokens`: (its modelled rounds as the
-    runner counts them, its `WideRounds` report)."""
+    runner counts them, its `WideRounds` report, its counted rounds' (tokens, row-rounds))."""
     emitted = np.zeros((1, rounds))
     emitted[0, :wide] = wide_tokens / wide if wide else 0
     emitted[0, wide:] = counted_tokens / (rounds - wide)
     mine = np.ones((1, rounds), bool)
     counted = mine.copy()
     counted[0, :wide] = False
-    report = (float(rounds), float(wide), float(wide_tokens), float(counted_tokens), float(rounds - wide))
-    return modelled_rounds(rounds, emitted, mine, counted), report
+    report = (float(rounds), float(wide), float(wide_tokens))
+    return modelled_rounds(rounds, emitted, mine, counted), report, (float(counted_tokens), rounds - wide)
 
 
 def test_wide_rounds_are_pooled_over_the_k_values_that_run_them():
@@ -437,14 +437,14 @@ def test_wide_rounds_are_pooled_over_the_k_values_that_run_them():
     ks = (0, 1, 2)
     curve = CostCurve(1, {0: 1.0, 1: 1.3, 2: 1.6})
     row, tested = np.array([55.0]), np.array([100.0])
-    one, one_report = _wide_chunk(100, 0, 0, 150)  # m = 1.5, no wide round
-    two, two_report = _wide_chunk(1000, 200, 600, 1600)  # m = 2, f = 0.2, t = 3
+    one, one_report, one_counted = _wide_chunk(100, 0, 0, 150)  # m = 1.5, no wide round
+    two, two_report, two_counted = _wide_chunk(1000, 200, 600, 1600)  # m = 2, f = 0.2, t = 3
     pooled, blind = KPolicy(curve, ks), KPolicy(curve, ks)
     for policy, reports in ((pooled, (one_report, two_report)), (blind, (None, None))):
-        policy.observe(1, 1.2 * 100, 100, slots=1, modelled=one, wide=reports[0])
-        policy.observe(2, 1.6 * 1000, 1000, slots=1, modelled=two, wide=reports[1])
+        policy.observe(1, 1.2 * 100, 100, slots=1, modelled=one, counted=one_counted, wide=reports[0])
+        policy.observe(2, 1.6 * 1000, 1000, slots=1, modelled=two, counted=two_counted, wide=reports[1])
     f = 200 / 1100
-    as_pooled, _ = _wide_chunk(1100, 200, 600, 1.5 * 900)  # K = 1 at the pooled share
+    as_pooled, _, _ = _wide_chunk(1100, 200, 600, 1.5 * 900)  # K = 1 at the pooled share
     assert pooled.wide.modelled(1, 100, one) == pytest.approx(as_pooled * 100 / 1100)
     assert pooled.wide.modelled(1, 100, one) == pytest.approx(100 * (1 + f * 1.5 / 1.5))
     assert pooled.wide.modelled(2, 1000, two) == pytest.approx(1000 * (1 + f * 1.0 / 2.0))

@@ -299,8 +299,8 @@ class _Run:
         Returns the chunk's rounds counted by what they emitted, in rounds of the kind the
         policy models (`modelled_rounds`), (tokens, row-rounds) of the rounds the policy
         models (a tree's: its spines'; `KPolicy.calibration`), and at a K below the
-        hybrid's wide length (row-rounds, wide ones, their tokens, and the first pair
-        again; `WideRounds`), else None."""
+        hybrid's wide length (row-rounds, wide ones, their tokens; `WideRounds`), else
+        None."""
         tree = None if isinstance(shape, int) else shape
         k, scored = (shape, shape) if tree is None else (len(tree.spine), tree.size)
         self.totals[1] += seconds
@@ -330,11 +330,10 @@ class _Run:
             total += part
         self.calls = calls.astype(np.int64)
         models = (float((1 + log[counted]).sum()), int(counted.sum()))
-        lookup = getattr(self.prog.drafter, "wide", None)  # a hybrid's wide lookup (`HybridDrafter`)
-        if tree is not None or lookup is None or not 0 < k < lookup.k:
+        if tree is not None or not 0 < k < self.prog.wide:
             return modelled, models, None
         wide = mine & (log >= 0) & (widths > scored)
-        return modelled, models, (float(mine.sum()), float(wide.sum()), float(emitted[wide].sum())) + models
+        return modelled, models, (float(mine.sum()), float(wide.sum()), float(emitted[wide].sum()))
 
     def acceptance(self) -> tuple:
         """(accepted, tested) draft tokens so far of each running row, and the engine's

@@ -88,11 +88,16 @@ class Program:
         return self if k == self.k else dataclasses.replace(self, drafter=self.drafter.with_k(k))
 
     @property
+    def wide(self) -> int:
+        """The lookup tokens of a hybrid drafter's wide rounds (`HybridDrafter.wide`), else 0."""
+        wide = getattr(self.drafter, "wide", None)
+        return wide.k if wide is not None else 0
+
+    @property
     def span(self) -> int:
         """The most draft tokens a round may score: K, or more in a hybrid's wide rounds or
         a tree's (its N nodes)."""
-        wide = getattr(self.drafter, "wide", None)
-        return max(self.k, wide.k if wide is not None else 0, self.tree.span if self.tree else 0)
+        return max(self.k, self.wide, self.tree.span if self.tree else 0)
 
 
 def row_keys(seeds: jax.Array) -> jax.Array:

@@ -181,8 +181,8 @@ class KPolicy:
             timed[0] += seconds
             timed[1] += rounds
             timed[2] += rounds if modelled is None else modelled
-            if wide is not None:
-                self.wide.observe(key, wide)
+            if wide is not None and counted is not None:
+                self.wide.observe(key, wide, counted)
 
     @property
     def shapes(self) -> tuple:

@@ -34,13 +34,14 @@ class WideRounds:
     # row-rounds (the rounds the chain model describes).
     own: dict = dataclasses.field(default_factory=dict)
 
-    def observe(self, key, chunk: tuple[float, float, float, float, float]) -> None:
-        """chunk: (row-rounds, wide row-rounds, their tokens, counted rounds' tokens,
-        counted row-rounds) of a timed chunk at `key`, a K whose chunks run wide rounds."""
+    def observe(self, key, chunk: tuple[float, float, float], counted: tuple[float, int]) -> None:
+        """chunk: (row-rounds, wide row-rounds, their tokens) of a timed chunk at `key`, a
+        K whose chunks run wide rounds; counted: (tokens, row-rounds) of its counted rounds
+        (`KPolicy.observe`'s)."""
         own = self.own.setdefault(key, [0.0] * 5)
-        for i, x in enumerate(chunk):
+        for i, x in enumerate(tuple(chunk) + tuple(counted)):
             own[i] += x
-        for i, x in enumerate(chunk[:3]):
+        for i, x in enumerate(chunk):
             self.pooled[i] += x
 
     def modelled(self, key, rounds: float, modelled: float) -> float:
